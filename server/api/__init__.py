@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, OpenAI schemas, SSE. Imports only torch-free engine types."""

@@ -1,0 +1,80 @@
+"""Frozen configuration dataclasses, loaded from configs/*.toml and overridden by CLI flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "demo"
+    device: str = "auto"  # auto | mps | cuda | cpu
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    quantization: str | None = None  # None | "fp8"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # token budget per step; also the prefill chunk size
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # None: a fraction of free device memory
+    kv_cache_memory_fraction: float = 0.5
+    enable_prefix_caching: bool = True
+    compile: str = "auto"  # auto | on | off
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()  # CORS is off unless origins are given
+    max_waiting_requests: int = 256
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    reasoning_field: str = "reasoning_content"  # or "reasoning"
+    keepalive_interval_s: float = 5.0
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class Config:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+def _build(cls: type, values: dict[str, Any], source: str) -> Any:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown keys {unknown}; valid keys are {sorted(known)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return cls(**values)
+
+
+def load_config(path: str | Path | None = None, **overrides: dict[str, Any]) -> Config:
+    """Read a TOML file with [engine] and [server] tables, then apply overrides (None values are skipped)."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    sections = {"engine": EngineConfig, "server": ServerConfig}
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ValueError(f"{source}: unknown sections {unknown}; use [engine] and [server]")
+    built = {}
+    for name, cls in sections.items():
+        values = dict(data.get(name, {}))
+        values.update({k: v for k, v in overrides.get(name, {}).items() if v is not None})
+        built[name] = _build(cls, values, source)
+    return Config(**built)

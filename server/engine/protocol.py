@@ -1,0 +1,50 @@
+"""What the HTTP layer needs from an engine. `AsyncEngine` implements it; API tests use a scripted fake."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from server.engine.types import EngineStats, SamplingParams, StreamDelta
+
+
+class RequestHandle(Protocol):
+    request_id: str
+    prompt_tokens: int
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]: ...
+
+    async def abort(self) -> None:
+        """Stop generating; the engine frees the request's KV blocks within one step."""
+
+
+class ServingEngine(Protocol):
+    model_name: str  # what the checkpoint was loaded from (path or Hub id)
+    max_model_len: int
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> str:
+        """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts)."""
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Queue a request. Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
+        synchronously, before anything is streamed."""
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[StreamDelta]:
+        """submit() + iterate; leaving the loop early aborts the request."""
+
+    def stats(self) -> EngineStats: ...
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...

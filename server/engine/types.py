@@ -1,0 +1,168 @@
+"""Public engine types: what the API layer and Python users see. No torch here.
+
+The HTTP layer imports only this module (and `server.engine.protocol`), so it can be tested against a
+scripted fake engine and never pulls torch in by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class EngineError(Exception):
+    """Base class of errors raised by the engine."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request the caller must fix. `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int):
+        msg = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+        super().__init__(msg, param="messages", code="context_length_exceeded")
+        self.prompt_len = prompt_len
+        self.max_model_len = max_model_len
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is full; the caller should retry later."""
+
+    def __init__(self, num_waiting: int, retry_after_s: float = 1.0):
+        super().__init__(f"The server is busy: {num_waiting} requests are already waiting. Retry later.")
+        self.retry_after_s = retry_after_s
+
+
+class ModelLoadError(EngineError):
+    """A checkpoint could not be found or loaded; the message names the file or tensor."""
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings. `validate()` raises InvalidRequestError with a fix-it message."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 selects greedy decoding
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None  # None: off; 0: the sampled token only; n: also the top n
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequestError(msg, param=param)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < -1:
+            bad("top_k", f"top_k must be -1 or 0 (off) or a positive count, got {self.top_k}.")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        if not self.repetition_penalty > 0:
+            bad("repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                bad(name, f"{name} must be in [-2, 2], got {value}.")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}.")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"seed must be an integer, got {self.seed!r}.")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
+                bad("logit_bias", f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size}).")
+            if not -100 <= bias <= 100:
+                bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.")
+        for token_id in self.stop_token_ids:
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                bad("stop_token_ids", f"stop token id {token_id} is outside the vocabulary [0, {vocab_size}).")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """The final result of `Engine.generate` / `Engine.chat`."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class StreamDelta:
+    """One increment of a streamed request: new text (never a broken UTF-8 character, never part of a
+    stop string) and the tokens that produced it. The last delta has `finish_reason` set."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from reused KV since start
+    prompt_tokens: int = 0
+    generation_tokens: int = 0

@@ -1,0 +1,1 @@
+"""Device fast paths and their pure-torch reference twins. Imports torch only."""
