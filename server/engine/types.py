@@ -26,11 +26,13 @@ class InvalidRequestError(EngineError, ValueError):
 
 
 class ContextLengthExceededError(InvalidRequestError):
-    def __init__(self, prompt_len: int, max_tokens: int, max_model_len: int):
+    """The prompt leaves no room to generate. (A prompt that fits but whose prompt + max_tokens does not
+    is accepted; generation stops at the limit with finish_reason "length".)"""
+
+    def __init__(self, prompt_len: int, max_model_len: int):
         msg = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion."
+            f"This model's maximum context length is {max_model_len} tokens. However, your messages resulted in "
+            f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the messages."
         )
         super().__init__(msg, param="messages", code="context_length_exceeded")
         self.prompt_len = prompt_len
@@ -166,3 +168,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from reused KV since start
     prompt_tokens: int = 0
     generation_tokens: int = 0
+
+
+class ChatPrompt(str):
+    """Text rendered by the model's chat template (`render_chat`). The template already placed every special
+    token, so the engine encodes it without adding BOS again, as transformers' apply_chat_template does."""

@@ -1,0 +1,127 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with a real HTTP status.
+
+Every failure the server can name maps here, so a client mistake is a 4xx (openai-python retries 5xx) and
+FastAPI's default `{"detail": ...}` body never reaches a client.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.engine.types import InvalidRequestError, ModelLoadError, QueueFullError
+
+logger = logging.getLogger("mps_serve.api")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with `status` and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    """Map an engine exception raised by submit()/render_chat() to the error a client should see."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, QueueFullError):
+        retry_after = str(max(1, math.ceil(exc.retry_after_s)))
+        return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry_after})
+    if isinstance(exc, ModelLoadError):
+        return APIError(503, str(exc), code="model_not_loaded")
+    if _is_template_error(exc) or isinstance(exc, ValueError):
+        # A chat template's raise_exception() or a bad value is about the request, not the server.
+        return APIError(400, str(exc) or type(exc).__name__, code="invalid_request")
+    return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
+
+
+def _is_template_error(exc: Exception) -> bool:
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # pragma: no cover - jinja2 is a dependency
+        return False
+    return isinstance(exc, TemplateError)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """Pydantic errors as one readable 400; `param` is the first offending field's dotted path."""
+    errors = exc.errors()
+    parts, first_param = [], None
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
+        first_param = first_param or loc or None
+        parts.append(f"{loc}: {err.get('msg', 'invalid value')}" if loc else str(err.get("msg")))
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return APIError(400, "Invalid request: " + "; ".join(parts) + more, param=first_param, code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path}): no such route."
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}."
+        else:
+            message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
+        err = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
+        return err.response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        err = from_engine_error(exc)
+        if err.status >= 500:
+            logger.exception("unhandled error while serving a request")
+        return err.response()

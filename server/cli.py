@@ -1,0 +1,139 @@
+"""The `mps-serve` command: serve, generate, info (and bench, where implemented)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from server.config import load_config
+from server.engine.types import EngineError
+
+
+def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> None:
+    if model_required:
+        parser.add_argument("model", help="local Hugging Face checkpoint directory, Hub repo id, or 'demo'")
+    else:
+        parser.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (default: demo)")
+    parser.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default=None)
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None)
+    parser.add_argument("--quantize", choices=["none", "fp8"], default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--config", default=None, help="TOML file with [engine] and [server] tables (see configs/)")
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict:
+    quantize = None if args.quantize in (None, "none") else args.quantize
+    return {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        "quantization": quantize,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mps-serve", description=__doc__)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _add_model_args(serve, model_required=False)
+    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (CORS is off by default)")
+
+    gen = sub.add_parser("generate", help="generate text once and print it")
+    _add_model_args(gen, model_required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+
+    info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled")
+    info.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from server.engine.engine import Engine
+    from server.engine.types import SamplingParams
+
+    config = load_config(args.config, engine=_engine_overrides(args))
+    engine = Engine.from_config(config.engine)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    if args.chat:
+        out = engine.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = engine.generate(args.prompt, params)
+    print(out.text)
+    print(
+        f"[{out.prompt_tokens} prompt tokens, {out.completion_tokens} generated, finish_reason={out.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    from server.engine.device import mps_unavailable_reason, select_device
+
+    print(f"torch {torch.__version__}")
+    reason = mps_unavailable_reason()
+    print(f"MPS: {'available' if reason is None else 'not available: ' + reason}")
+    print(f"CUDA: {'available: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}")
+    device, why = select_device(args.device)
+    print(f"device: {device} ({why})")
+    try:
+        from server.kernels.capabilities import capabilities
+    except ImportError:
+        return 0
+    print("fast paths:")
+    for line in capabilities(device).describe():
+        print(f"  {line}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from server.api.server import run_server
+    from server.engine.async_engine import AsyncEngine
+
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()) if args.allowed_origins else None
+    server_overrides = {
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "served_model_name": args.served_model_name,
+        "allowed_origins": origins,
+        "log_level": args.log_level,
+    }
+    config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
+    return run_server(
+        config, lambda: AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, EngineError) as exc:  # configuration and request errors carry a message that says what to fix
+        print(f"mps-serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

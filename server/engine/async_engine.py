@@ -1,0 +1,171 @@
+"""AsyncEngine: the engine loop on a background thread, per-request asyncio queues for the HTTP layer.
+
+The device work runs on one thread that owns the Engine; asyncio code talks to it only through a
+command queue (add / abort) and receives StreamDeltas through `loop.call_soon_threadsafe`. So HTTP
+handling never waits on the device, and an abort lands before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from server.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.request import Request
+from server.engine.types import ChatPrompt, EngineError, EngineStats, QueueFullError, SamplingParams, StreamDelta
+
+log = logging.getLogger(__name__)
+
+
+class _Handle:
+    """One submitted request: async-iterable over its deltas; abort() stops it inside the engine."""
+
+    def __init__(self, owner: AsyncEngine, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request_id = request.request_id
+        self.prompt_tokens = request.num_prompt_tokens
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def _push(self, item: StreamDelta | BaseException) -> None:  # called from the engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[StreamDelta]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finish_reason is not None:
+                self.finished = True
+            yield item
+
+    async def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._owner._commands.put(("abort", self.request_id))
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_waiting_requests: int = 256):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._handles: dict[str, _Handle] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wakeup = threading.Event()
+        self._stats = EngineStats()
+        self._num_pending = 0  # submitted but not yet taken by the engine thread
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256) -> AsyncEngine:
+        return cls(Engine.from_config(config), max_waiting_requests)
+
+    @property
+    def is_ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def render_chat(self, messages, tools=None, add_generation_prompt: bool = True, **template_kwargs) -> str:
+        text = self.engine.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return ChatPrompt(text)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> _Handle:
+        if self._stats.num_waiting + self._num_pending >= self.max_waiting_requests:
+            raise QueueFullError(self._stats.num_waiting + self._num_pending)
+        request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
+        handle = _Handle(self, request, asyncio.get_running_loop())
+        self._handles[request.request_id] = handle
+        self._num_pending += 1
+        self._commands.put(("add", request))
+        self._wakeup.set()
+        return handle
+
+    async def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        handle = self.submit(prompt, params, request_id)
+        try:
+            async for delta in handle:
+                yield delta
+        finally:
+            await handle.abort()  # no-op when it finished; frees the KV blocks when the caller left early
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def start(self) -> None:
+        self.start_thread()
+
+    def start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="mps-serve-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping.is_set():
+            self._drain_commands()
+            if not engine.has_unfinished:
+                self._stats = engine.stats()
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+                continue
+            try:
+                deltas = engine.step()
+            except Exception as exc:  # a device failure must not leave clients hanging
+                log.exception("engine step failed; aborting in-flight requests")
+                self._fail_all(EngineError(f"the engine failed while generating: {exc}"))
+                continue
+            for delta in deltas:
+                self._deliver(delta)
+            self._stats = engine.stats()
+        self._fail_all(EngineError("the server is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, value = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._num_pending -= 1
+                if value.request_id in self._handles:
+                    self.engine.add_request(value)
+            elif kind == "abort":
+                delta = self.engine.abort(value)
+                self._handles.pop(value, None)
+                if delta is not None:
+                    log.debug("aborted %s", value)
+
+    def _deliver(self, delta: StreamDelta) -> None:
+        handle = self._handles.get(delta.request_id)
+        if handle is None:
+            return
+        handle._push(delta)
+        if delta.finish_reason is not None:
+            self._handles.pop(delta.request_id, None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, handle in list(self._handles.items()):
+            self.engine.abort(request_id)
+            handle._push(exc)
+        self._handles.clear()

@@ -1,0 +1,275 @@
+"""The synchronous engine: one loop `schedule() -> runner.execute() -> scheduler.update()`.
+
+`Engine` is what Python users call (`generate`, `chat`, `score`); `AsyncEngine` drives the same `step()`
+from a background thread for the HTTP server.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from server.config import EngineConfig
+from server.engine import device as device_mod
+from server.engine.block_allocator import BlockAllocator
+from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.engine.model_runner import KVCache, ModelRunner, SampledToken
+from server.engine.request import Request
+from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.tokenizer import Tokenizer
+from server.engine.types import (
+    ChatPrompt,
+    ContextLengthExceededError,
+    EngineStats,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+from server.engine.weights import load_model, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _OutputState:
+    """Per-request text assembly: incremental detokenizing and stop strings with hold-back."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: StopStringMatcher
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+class Engine:
+    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int, model_name: str):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.device, self.dtype = device, dtype
+        self.max_model_len = max_model_len
+        self.model_name = model_name
+        self.vocab_size = model.args.vocab_size
+        shapes = model.kv_cache_shapes()
+        num_blocks = self._num_kv_blocks(shapes)
+        self.kv_cache = KVCache(shapes, num_blocks, config.block_size, dtype, device)
+        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator
+        )
+        self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size)
+        self._outputs: dict[str, _OutputState] = {}
+        self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model: str = "demo", device: str = "auto", dtype: str = "auto", quantization: str | None = None, **overrides: Any) -> Engine:
+        return cls.from_config(EngineConfig(model=model, device=device, dtype=dtype, quantization=quantization, **overrides))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        if config.quantization not in (None, "none"):
+            raise ValueError(f"quantization {config.quantization!r} is not available yet; use none")
+        if config.model == "demo":
+            from server.engine.demo import ensure_demo_model
+
+            model_dir = ensure_demo_model()
+        else:
+            model_dir = resolve_model_path(config.model, config.revision)
+        torch_device, reason = device_mod.select_device(config.device)
+        from server.engine.weights import read_config
+
+        hf_config = read_config(model_dir)
+        checkpoint_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
+        dtype = device_mod.select_dtype(config.dtype, torch_device, checkpoint_dtype)
+        log.info("loading %s on %s (%s) as %s", config.model, torch_device, reason, dtype)
+        model, hf_config = load_model(model_dir, torch_device, dtype)
+        tokenizer = Tokenizer.from_pretrained(model_dir)
+        limit = int(hf_config.get("max_position_embeddings", 4096))
+        max_model_len = min(config.max_model_len or limit, limit)
+        return cls(model, tokenizer, config, torch_device, dtype, max_model_len, config.model)
+
+    def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
+        config = self.config
+        per_block = KVCache.bytes_per_block(shapes, config.block_size, self.dtype)
+        budget = config.kv_cache_memory_bytes
+        if budget is None:
+            budget = int(device_mod.free_memory_bytes(self.device) * config.kv_cache_memory_fraction)
+        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq and num_blocks < 2:
+            raise ValueError(f"the KV memory budget ({budget} bytes) holds no KV block of {per_block} bytes")
+        return int(num_blocks)
+
+    @property
+    def weight_bytes(self) -> int:
+        tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # ---- requests -----------------------------------------------------------------------------
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
+        """Tokenize and validate; raises InvalidRequestError / ContextLengthExceededError."""
+        params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(self.tokenizer.eos_token_ids)
+        return Request(
+            request_id=request_id or uuid.uuid4().hex,
+            token_ids=list(prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
+            params=params,
+            seed=params.seed if params.seed is not None else secrets.randbits(62),
+            stop_token_ids=frozenset(stop_ids),
+            max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
+        )
+
+    def add_request(self, request: Request) -> None:
+        self._outputs[request.request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, request.token_ids),
+            StopStringMatcher(request.params.stop, request.params.include_stop_str_in_output),
+            logprobs=[] if request.params.logprobs is not None else None,
+        )
+        self.scheduler.add(request)
+        self._num_prompt_tokens += request.num_prompt_tokens
+
+    def abort(self, request_id: str) -> StreamDelta | None:
+        """Stop a request now and free its KV blocks. Returns its final delta, if it was known."""
+        request = self.scheduler.abort(request_id)
+        state = self._outputs.pop(request_id, None)
+        if request is None or state is None:
+            return None
+        return self._delta(request, "", [], None)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def step(self) -> list[StreamDelta]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        result = self.runner.execute(out)
+        self._collect_logits(result.all_logits)
+        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
+        deltas = []
+        for request in self.scheduler.update(out, sampled):
+            deltas.append(self._process_token(request, result.sampled[request.request_id]))
+        self._num_generated_tokens += len(sampled)
+        return deltas
+
+    def _process_token(self, request: Request, token: SampledToken) -> StreamDelta:
+        state = self._outputs[request.request_id]
+        piece = state.detokenizer.add([token.token_id])
+        emit, stopped = state.stop.push(piece)
+        if stopped:
+            self.scheduler.finish(request, "stop")
+        elif request.is_finished:
+            tail, stopped = state.stop.push(state.detokenizer.flush())
+            emit += tail + ("" if stopped else state.stop.flush())
+        state.text.append(emit)
+        logprob = self._logprob(token) if state.logprobs is not None else None
+        if logprob is not None:
+            state.logprobs.append(logprob)
+        if request.is_finished:
+            self._outputs.pop(request.request_id, None)
+        return self._delta(request, emit, [token.token_id], [logprob] if logprob else None)
+
+    def _logprob(self, token: SampledToken) -> TokenLogprob:
+        text = self.tokenizer.token_text
+        top = [TopLogprob(t, text(t), lp) for t, lp in zip(token.top_ids, token.top_logprobs, strict=True)]
+        return TokenLogprob(token.token_id, text(token.token_id), float(token.logprob or 0.0), top)
+
+    def _delta(self, request: Request, text: str, token_ids: list[int], logprobs) -> StreamDelta:
+        return StreamDelta(
+            request_id=request.request_id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=request.finish_reason,
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.num_cached_tokens,
+            logprobs=logprobs,
+        )
+
+    def _collect_logits(self, all_logits: dict[str, torch.Tensor]) -> None:
+        for request_id, logits in all_logits.items():
+            self._score_logits.setdefault(request_id, []).append(logits)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_blocks_used=self.allocator.num_used,
+            kv_blocks_free=self.allocator.num_free,
+            prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            prompt_tokens=self._num_prompt_tokens,
+            generation_tokens=self._num_generated_tokens,
+        )
+
+    # ---- convenience API ----------------------------------------------------------------------
+    def generate(self, prompt, params: SamplingParams | None = None):
+        """One prompt (str or token ids) -> RequestOutput; a list of prompts -> a list, run as one batch."""
+        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], int))
+        prompts = [prompt] if single else list(prompt)
+        params = params or SamplingParams()
+        requests = [self.make_request(p, replace(params)) for p in prompts]
+        results = self._run_to_completion(requests)
+        return results[0] if single else results
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, tools=None, **template_kwargs) -> RequestOutput:
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
+        return self.generate(ChatPrompt(text), params)
+
+    def _run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
+        if self.scheduler.has_work:
+            raise RuntimeError("generate() cannot run while the engine serves other requests; use AsyncEngine")
+        states = {}
+        for request in requests:
+            self.add_request(request)
+            states[request.request_id] = self._outputs[request.request_id]
+        while self.scheduler.has_work:
+            self.step()
+        return [self._final_output(r, states[r.request_id]) for r in requests]
+
+    def _final_output(self, request: Request, state: _OutputState) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            text="".join(state.text),
+            token_ids=request.output_token_ids,
+            finish_reason=request.finish_reason or "abort",
+            prompt_tokens=request.num_prompt_tokens,
+            completion_tokens=request.num_output_tokens,
+            cached_tokens=request.num_cached_tokens,
+            logprobs=state.logprobs,
+        )
+
+    def score(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """float32 logits `[len, vocab]` of one full (chunked) prefill, for parity tests and perplexity."""
+        request = self.make_request(list(token_ids), SamplingParams(max_tokens=1, temperature=0.0))
+        request.return_all_logits = True
+        self.add_request(request)
+        while request.num_computed_tokens < request.num_tokens:
+            self.step()
+        self.scheduler.finish(request, "stop")
+        self._outputs.pop(request.request_id, None)
+        return torch.cat(self._score_logits.pop(request.request_id)).cpu()

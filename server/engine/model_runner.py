@@ -1,0 +1,157 @@
+"""SchedulerOutput -> device tensors -> model -> logits -> sampler. Owns the paged KV tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from server.engine.request import Request
+from server.engine.scheduler import ScheduledChunk, SchedulerOutput
+from server.kernels import sampling
+from server.models.base import AttentionMetadata
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+    all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [num_tokens, vocab] fp32
+
+
+class KVCache:
+    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device."""
+
+    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.layers = [
+            (
+                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device),
+                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device),
+            )
+            for kv_heads, head_dim in shapes
+        ]
+
+    @staticmethod
+    def bytes_per_block(shapes: list[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:
+        item = torch.empty((), dtype=dtype).element_size()
+        return sum(2 * block_size * kv_heads * head_dim * item for kv_heads, head_dim in shapes)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.vocab_size = vocab_size
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        chunks = out.chunks
+        input_ids, positions, meta, sample_index, logit_ranges = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
+        result = StepResult()
+        for request_id, (start, end) in logit_ranges.items():
+            result.all_logits[request_id] = self.model.compute_logits(hidden[start:end])
+        sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
+        if sample_chunks:
+            logits = self.model.compute_logits(hidden[sample_index])  # [num_samples, vocab]
+            batch = sampling.build_sampling_batch(
+                [_sampling_row(c.request) for c in sample_chunks], self.vocab_size, self.device
+            )
+            sampled = sampling.sample(logits, batch)
+            result.sampled = _to_host(sample_chunks, sampled)
+        return result
+
+    def _prepare(self, chunks: list[ScheduledChunk]):
+        block_size = self.kv_cache.block_size
+        num_seqs = len(chunks)
+        max_q_len = max(c.num_tokens for c in chunks)
+        max_blocks = max(-(-(c.start + c.num_tokens) // block_size) for c in chunks)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        query_index = [[0] * max_q_len for _ in range(num_seqs)]
+        query_pos = [[0] * max_q_len for _ in range(num_seqs)]
+        block_tables = [[0] * max_blocks for _ in range(num_seqs)]
+        sample_index: list[int] = []
+        logit_ranges: dict[str, tuple[int, int]] = {}
+        for row, chunk in enumerate(chunks):
+            request = chunk.request
+            first = len(input_ids)
+            for col in range(chunk.num_tokens):
+                pos = chunk.start + col
+                query_index[row][col] = len(input_ids)
+                query_pos[row][col] = pos
+                input_ids.append(request.token_ids[pos])
+                positions.append(pos)
+                slots.append(request.block_ids[pos // block_size] * block_size + pos % block_size)
+                rows.append(row)
+                cols.append(col)
+            num_blocks = -(-(chunk.start + chunk.num_tokens) // block_size)
+            block_tables[row][:num_blocks] = request.block_ids[:num_blocks]
+            if request.return_all_logits:
+                logit_ranges[request.request_id] = (first, len(input_ids))
+            elif chunk.sample:
+                sample_index.append(len(input_ids) - 1)
+
+        def tensor(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots),
+            block_tables=tensor(block_tables),
+            query_index=tensor(query_index),
+            query_positions=tensor(query_pos),
+            token_rows=tensor(rows),
+            token_cols=tensor(cols),
+        )
+        return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges
+
+
+def _sampling_row(request: Request) -> sampling.SamplingRow:
+    params = request.params
+    return sampling.SamplingRow(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=params.logit_bias,
+        seed=request.seed,
+        step=request.num_output_tokens,
+        prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+        output_token_ids=request.output_token_ids,
+        num_logprobs=params.logprobs,
+    )
+
+
+def _to_host(chunks: list[ScheduledChunk], sampled) -> dict[str, SampledToken]:
+    """The one read of the step's sampled ids (plus logprobs when any request asked for them)."""
+    token_ids = sampled.token_ids.tolist()
+    logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+    top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+    top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+    result = {}
+    for i, chunk in enumerate(chunks):
+        token = SampledToken(token_ids[i])
+        num_top = chunk.request.params.logprobs
+        if num_top is not None and logprobs is not None:
+            token.logprob = logprobs[i]
+            if num_top and top_ids is not None:
+                token.top_ids = top_ids[i][:num_top]
+                token.top_logprobs = top_logprobs[i][:num_top]
+        result[chunk.request.request_id] = token
+    return result

@@ -1,0 +1,49 @@
+"""The engine's view of one request. Plain Python: the scheduler and block bookkeeping use it without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from server.engine.types import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    token_ids: list[int]  # prompt then output, growing as tokens are sampled
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the request's stop ids
+    max_total_tokens: int = 0  # min(prompt + max_tokens, max_model_len)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_cached_tokens: int = 0  # prompt tokens served from reused KV at first admission
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    return_all_logits: bool = False  # score(): logits of every position, not only the last
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,178 @@
+"""Continuous batching by token counts. Plain Python, no torch.
+
+Each request has `num_computed_tokens` (KV written) and `num_tokens` (known). A step gives every running
+request up to the tokens it lacks (1 while decoding, a chunk while prefilling) within a token budget,
+running requests first so a long prompt delays running streams by at most one chunk. Admission is
+bounded by free KV blocks and `max_num_seqs`; when blocks run out, the newest running request is
+preempted (blocks freed, recomputed later), never failed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from server.engine.block_allocator import BlockAllocator, chain_hash
+from server.engine.request import Request, RequestStatus
+from server.engine.types import FinishReason
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+    sample: bool  # the chunk reaches the last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(request, num_new, out):
+                continue  # `request` itself was preempted; the list shrank
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if not request.block_ids:
+                self._match_prefix(request)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return out
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        end = request.num_computed_tokens + num_new
+        return ScheduledChunk(request, request.num_computed_tokens, num_new, sample=end == request.num_tokens)
+
+    def _match_prefix(self, request: Request) -> None:
+        if request.return_all_logits:
+            return  # scoring needs the logits of every position, so nothing may be skipped
+        block_ids, hashes = self.allocator.match_prefix(request.token_ids)
+        request.block_ids, request.block_hashes = block_ids, hashes
+        request.num_computed_tokens = len(block_ids) * self.allocator.block_size
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+            self.num_prefix_hit_tokens += request.num_computed_tokens
+
+    def _reserve(self, request: Request, num_new: int) -> bool:
+        needed = -(-(request.num_computed_tokens + num_new) // self.allocator.block_size) - len(request.block_ids)
+        if needed > self.allocator.num_free:
+            return False
+        request.block_ids.extend(self.allocator.allocate() for _ in range(needed))
+        return True
+
+    def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        while not self._reserve(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.allocator.free(request.block_ids)
+        request.block_ids, request.block_hashes = [], []
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Record a finished step: computed tokens, sampled tokens, newly full blocks. Returns the requests
+        that received a token this step (finished ones included, with finish_reason set)."""
+        updated = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            self._register_full_blocks(request)
+            if chunk.sample and request.request_id in sampled:
+                token_id = sampled[request.request_id]
+                request.token_ids.append(token_id)
+                updated.append(request)
+                self._check_finished(request, token_id)
+        return updated
+
+    def _register_full_blocks(self, request: Request) -> None:
+        size = self.allocator.block_size
+        num_full = request.num_computed_tokens // size
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = chain_hash(parent, request.token_ids[i * size : (i + 1) * size])
+            request.block_hashes.append(block_hash)
+            self.allocator.register_full_block(request.block_ids[i], block_hash)
+
+    def _check_finished(self, request: Request, token_id: int) -> None:
+        if token_id in request.stop_token_ids:
+            self.finish(request, FinishReason.STOP.value)
+        elif request.num_tokens >= request.max_total_tokens:
+            self.finish(request, FinishReason.LENGTH.value)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End a request now (stop, length or abort) and free its blocks at once."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.requests.pop(request.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, FinishReason.ABORT.value)
+        return request

@@ -1,0 +1,200 @@
+"""Find a checkpoint (local folder or Hub repo id), build the model on the meta device, stream
+safetensors tensors straight into the device parameters, fusing per the model's declared table.
+
+Only safetensors are read: never a pickle, never remote code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from server.engine.types import ModelLoadError
+from server.models.layers import FusedExperts, MergedLinear
+from server.models.registry import get_model_module
+
+log = logging.getLogger(__name__)
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a Hub repo id through huggingface_hub (cache, HF_HUB_OFFLINE)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"model path {model!r} is not a directory with a Hugging Face checkpoint")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
+    except HFValidationError:
+        raise ModelLoadError(f"{model!r} is neither a local directory nor a valid Hub repo id") from None
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"{model!r} is not a local directory and is not in the Hugging Face cache, and downloading is "
+            "not possible (offline, or HF_HUB_OFFLINE=1). Pass a local checkpoint directory or go online."
+        ) from None
+    except Exception as exc:  # network / auth / missing repo: say which model and why
+        raise ModelLoadError(f"could not fetch {model!r} from the Hugging Face Hub: {exc}") from None
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json; is it a Hugging Face checkpoint directory?")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from None
+    if "model_type" not in config:
+        raise ModelLoadError(f"{path} has no model_type")
+    return config
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from None
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
+        hint = f" (found {pickles}: pickle checkpoints are never loaded; convert to safetensors)" if pickles else ""
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights{hint}")
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"weight file {file} named in the index is missing")
+    return files
+
+
+def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"weight file {file} is corrupt or unreadable: {exc}") from None
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into a materialized model, tracking which parameter pieces were filled."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.filled: set[tuple[str, Any]] = set()
+
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        target = self._resolve(name)
+        if target is None:
+            log.debug("ignoring checkpoint tensor %s", name)
+            return
+        param_name, index, key = target
+        param = self.params[param_name]
+        dest = param.data[index] if index is not None else param.data
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"shape mismatch for {name}: checkpoint has {list(tensor.shape)}, model expects {list(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        self.filled.add((param_name, key))
+
+    def _resolve(self, name: str) -> tuple[str, Any, Any] | None:
+        if name in self.params:
+            return name, None, None
+        module_name, _, leaf = name.rpartition(".")
+        parent_name, _, child = module_name.rpartition(".")
+        # q_proj -> qkv_proj[rows], gate_proj -> gate_up_proj[rows], declared by MergedLinear.source_names
+        for fused_name, module in self._children(parent_name):
+            if isinstance(module, MergedLinear) and child in module.source_names and leaf == "weight":
+                shard = module.source_names.index(child)
+                return _join(parent_name, fused_name, "weight"), module.shard_rows(shard), shard
+        match = _EXPERT_RE.match(name)
+        if match:
+            experts = self._module(match["prefix"])
+            if isinstance(experts, FusedExperts) and match["proj"] in experts.per_expert_names:
+                e, size = int(match["expert"]), experts.intermediate_size
+                gate, up, down = experts.per_expert_names
+                if match["proj"] == down:
+                    return match["prefix"] + ".down_proj", (e,), (e, 2)
+                rows = slice(0, size) if match["proj"] == gate else slice(size, 2 * size)
+                return match["prefix"] + ".gate_up_proj", (e, rows), (e, 0 if match["proj"] == gate else 1)
+        return None
+
+    def _children(self, module_name: str):
+        module = self._module(module_name)
+        return module.named_children() if module is not None else ()
+
+    def _module(self, name: str) -> nn.Module | None:
+        try:
+            return self.model.get_submodule(name)
+        except AttributeError:
+            return None
+
+    def check_complete(self) -> None:
+        missing = []
+        for param_name, param in self.model.named_parameters():
+            for key, ckpt_name in self._expected_pieces(param_name):
+                if (param_name, key) not in self.filled:
+                    missing.append(ckpt_name)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"checkpoint is missing tensors: {shown}")
+
+    def _expected_pieces(self, param_name: str):
+        module_name, _, leaf = param_name.rpartition(".")
+        module = self._module(module_name)
+        parent = module_name.rpartition(".")[0]
+        if isinstance(module, MergedLinear) and leaf == "weight":
+            return [(i, _join(parent, src, "weight")) for i, src in enumerate(module.source_names)]
+        if isinstance(module, FusedExperts) and (param_name, None) not in self.filled:
+            names = module.per_expert_names
+            projs = [0, 1] if leaf == "gate_up_proj" else [2]
+            return [((e, p), f"{module_name}.{e}.{names[p]}.weight") for e in range(module.num_experts) for p in projs]
+        return [(None, param_name)]
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the architecture named by config.json on the meta device and stream the weights in."""
+    config = read_config(model_dir)
+    try:
+        module = get_model_module(config["model_type"])
+    except ValueError as exc:
+        raise ModelLoadError(f"{model_dir}: {exc}") from None
+    args = module.ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = module.Model(args).to(dtype)
+    model = model.to_empty(device=device)
+    for sub in model.modules():
+        if hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()
+    loader = WeightLoader(model)
+    with torch.no_grad():
+        for name, tensor in iter_checkpoint(safetensors_files(model_dir)):
+            mapped = model.sanitize(name)
+            if mapped is not None:
+                loader.load(mapped, tensor)
+    loader.check_complete()
+    return model.eval(), config

@@ -1,0 +1,211 @@
+"""Which fast paths work on a device with this torch build, found by running each op on tiny tensors.
+
+A version number alone cannot say whether e.g. row-wise `scaled_mm` has a kernel for this device (CPU got one in
+2.13, MPS in 2.15), so every entry is probed once per process per device and keeps the reason when it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from server.kernels import compat
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_MAX_REL_ERR = 3e-2  # fp8 / bf16 outputs against an fp32 product of the same (dequantized) operands
+
+
+@dataclass(frozen=True)
+class Probe:
+    ok: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device: str
+    torch_version: str
+    fp8_tensorwise: Probe  # scaled_mm with one scale per tensor
+    fp8_rowwise: Probe  # scaled_mm with one scale per row of each operand (M = 1 and M = 16)
+    fp8_rowwise_bias: Probe  # the same with the bias fused
+    grouped_mm_bf16: Probe
+    grouped_mm_fp16: Probe
+    grouped_mm_fp32: Probe
+    fp8_grouped: Probe  # scaled_grouped_mm row-wise
+    streams: Probe  # a side stream + event for non-blocking device-to-host copies
+    compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
+
+    def grouped_mm(self, dtype: torch.dtype) -> bool:
+        by_dtype = {torch.bfloat16: self.grouped_mm_bf16, torch.float16: self.grouped_mm_fp16, torch.float32: self.grouped_mm_fp32}
+        probe = by_dtype.get(dtype)
+        return probe is not None and probe.ok
+
+    def describe(self) -> list[str]:
+        lines = [f"device {self.device}, torch {self.torch_version}"]
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Probe):
+                lines.append(f"  {field.name:<18} {'yes' if value.ok else 'no ':<4} {value.reason}")
+        return lines
+
+
+def _normalize(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def capabilities(device: torch.device | str) -> Capabilities:
+    return _probe_all(_normalize(device))
+
+
+@functools.cache
+def _probe_all(device_name: str) -> Capabilities:
+    device = torch.device(device_name)
+    return Capabilities(
+        device=device_name,
+        torch_version=torch.__version__,
+        fp8_tensorwise=_run(lambda: _check_scaled_mm(device, rowwise=False, with_bias=False)),
+        fp8_rowwise=_run(lambda: _check_scaled_mm(device, rowwise=True, with_bias=False)),
+        fp8_rowwise_bias=_run(lambda: _check_scaled_mm(device, rowwise=True, with_bias=True)),
+        grouped_mm_bf16=_run(lambda: _check_grouped_mm(device, torch.bfloat16)),
+        grouped_mm_fp16=_run(lambda: _check_grouped_mm(device, torch.float16)),
+        grouped_mm_fp32=_run(lambda: _check_grouped_mm(device, torch.float32)),
+        fp8_grouped=_run(lambda: _check_scaled_grouped_mm(device)),
+        streams=_run(lambda: _check_streams(device)),
+        compile=_run(lambda: _check_compile(device)),
+    )
+
+
+def _run(check: Callable[[], str]) -> Probe:
+    """A check returns a reason when it works and raises when it does not."""
+    try:
+        return Probe(True, check())
+    except Exception as exc:  # any failure of an optional fast path means "use the fallback"
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return Probe(False, f"{type(exc).__name__}: {message[:160]}")
+
+
+def _rand(*shape: int, device: torch.device, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(device)
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, what: str) -> str:
+    err = ((out.float().cpu() - ref.cpu()).norm() / ref.norm().clamp_min(1e-12)).item()
+    if not err <= _MAX_REL_ERR:  # also catches NaN
+        raise ArithmeticError(f"{what} gives wrong numbers (rel err {err:.2e})")
+    return f"{what}, rel err {err:.1e}"
+
+
+def _op_name(public: str, private: str) -> str:
+    return f"F.{public}" if hasattr(torch.nn.functional, public) else f"torch.{private}"
+
+
+def _check_scaled_mm(device: torch.device, rowwise: bool, with_bias: bool) -> str:
+    if _FP8 is None:
+        raise TypeError("torch.float8_e4m3fn is missing from this torch build")
+    num_rows, num_cols, inner = (16, 32, 64)
+    weight = _rand(num_cols, inner, device=device, seed=1).to(_FP8)  # [N, K]
+    bias = _rand(num_cols, device=device, seed=2).to(torch.bfloat16) if with_bias else None
+    reason = ""
+    for m in (1, num_rows) if rowwise else (num_rows,):
+        x = _rand(m, inner, device=device, seed=3).to(_FP8)
+        if rowwise:
+            scale_a = torch.rand(m, 1, device=device) + 0.5
+            scale_b = torch.rand(1, num_cols, device=device) + 0.5
+            out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16)
+        else:
+            scale_a, scale_b = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
+            out = compat.scaled_mm_tensorwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16)
+        ref = (x.float() * scale_a) @ (weight.float().t() * scale_b)
+        if bias is not None:
+            ref = ref + bias.float()
+        reason = _compare(out, ref, _op_name("scaled_mm", "_scaled_mm"))
+    return reason
+
+
+def _grouped_operands(device: torch.device, dtype: torch.dtype):
+    offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32, device=device)  # group 1 is empty
+    mat_a = _rand(32, 64, device=device, seed=4).to(dtype)  # [sum M, K]
+    weight = _rand(4, 48, 64, device=device, seed=5).to(dtype)  # [G, N, K]
+    starts = [0, 8, 8, 24]
+    ref = torch.cat([mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
+    return mat_a, weight, offs, ref
+
+
+def _check_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
+    mat_a, weight, offs, ref = _grouped_operands(device, dtype)
+    out = compat.grouped_mm(mat_a, weight.transpose(-2, -1), offs)
+    return _compare(out, ref, _op_name("grouped_mm", "_grouped_mm"))
+
+
+def _check_scaled_grouped_mm(device: torch.device) -> str:
+    if _FP8 is None:
+        raise TypeError("torch.float8_e4m3fn is missing from this torch build")
+    mat_a, weight, offs, _ = _grouped_operands(device, torch.float32)
+    a_fp8, w_fp8 = mat_a.to(_FP8), weight.to(_FP8)
+    scale_a = torch.rand(mat_a.shape[0], device=device) + 0.5  # [sum M]
+    scale_b = torch.rand(weight.shape[0], weight.shape[1], device=device) + 0.5  # [G, N]
+    out = compat.scaled_grouped_mm_rowwise(a_fp8, w_fp8.transpose(-2, -1), scale_a, scale_b, offs, torch.bfloat16)
+    a_deq = a_fp8.float() * scale_a[:, None]
+    w_deq = w_fp8.float() * scale_b[:, :, None]
+    starts = [0, 8, 8, 24]
+    ref = torch.cat([a_deq[s:e] @ w_deq[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
+    return _compare(out, ref, _op_name("scaled_grouped_mm", "_scaled_grouped_mm"))
+
+
+def _check_streams(device: torch.device) -> str:
+    if device.type == "cpu":
+        raise RuntimeError("cpu has no device streams; host copies are synchronous")
+    module = getattr(torch, device.type)
+    if not hasattr(module, "Stream") or not hasattr(module, "Event"):
+        raise AttributeError(f"torch.{device.type}.Stream/Event are missing from this torch build")
+    stream = module.Stream(device) if device.type == "cuda" else module.Stream()
+    source = torch.arange(8, device=device)
+    stream.wait_stream(module.current_stream())
+    with module.stream(stream):
+        host = source.to("cpu", non_blocking=True)
+        event = module.Event()
+        event.record(stream)
+    source.record_stream(stream)
+    event.synchronize()
+    if host.tolist() != list(range(8)):
+        raise RuntimeError("side-stream copy returned wrong values")
+    return f"torch.{device.type}.Stream + Event"
+
+
+def _check_compile(device: torch.device) -> str:
+    if not hasattr(torch, "compile"):
+        raise AttributeError("torch.compile is missing")
+    if device.type == "cpu":
+        compiler = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        if compiler is None:
+            raise FileNotFoundError("inductor on cpu needs a C++ compiler (g++/clang++) on PATH")
+        return f"inductor (cpu, {compiler}); checked cheaply, nothing compiled"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        raise ModuleNotFoundError("inductor on cuda needs triton")
+    return f"inductor ({device.type}); checked cheaply, nothing compiled"
+
+
+@torch.compiler.assume_constant_result
+def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Traced code asks here: torch.compile treats the (cached) answer as a constant."""
+    return capabilities(device).grouped_mm(dtype)
+
+
+@torch.compiler.assume_constant_result
+def fp8_grouped_ok(device: torch.device) -> bool:
+    return capabilities(device).fp8_grouped.ok
+
+
+@torch.compiler.assume_constant_result
+def fp8_rowwise_ok(device: torch.device, with_bias: bool) -> bool:
+    caps = capabilities(device)
+    return caps.fp8_rowwise_bias.ok if with_bias else caps.fp8_rowwise.ok

@@ -1,0 +1,128 @@
+"""Mixture-of-experts: routing and the expert SwiGLU FFNs, with no host sync on the fast paths.
+
+Fast path (grouped_mm works for this device and dtype):
+
+    expert_ids [T, k] --flatten, sort--> sorted ids [T*k], order [T*k]
+        offs[e] = searchsorted(sorted ids, e, right=True, out_int32=True)   # int32 group ends, on the device
+    x[order // k] --grouped_mm gate_up--> [T*k, 2I] --silu(gate)*up--> [T*k, I] --grouped_mm down--> [T*k, H]
+        --index_copy back to slot order--> [T, k, H] --bmm with weights [T, 1, k]--> [T, H]
+
+`bincount` is avoided because on CUDA it reads its maximum on the host; the final weighted sum is one bmm in
+fp32 accumulation instead of an index_add_ scatter (deterministic, no atomics). The routing weight is applied
+after `down`, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from server.kernels import compat
+from server.kernels.capabilities import grouped_mm_ok
+
+
+def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), expert_ids
+
+
+def route_sigmoid_bias(
+    router_logits: torch.Tensor,
+    expert_bias: torch.Tensor | None,
+    top_k: int,
+    renormalize: bool,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LFM2-MoE routing: experts chosen by sigmoid + bias (fp32), weighted by the unbiased sigmoid (model dtype)."""
+    scores = router_logits.sigmoid()  # [T, E] in the model dtype, as HF computes it
+    if expert_bias is None:
+        weights, expert_ids = torch.topk(scores, top_k, dim=-1)
+    else:
+        expert_ids = torch.topk(scores + expert_bias.float(), top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return weights * scaling, expert_ids
+
+
+def moe_experts(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    gate_up: torch.Tensor,  # [E, 2I, H], rows 0..I-1 are the gate
+    down: torch.Tensor,  # [E, H, I]
+) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * down[e] @ (silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H]."""
+    if grouped_mm_ok(x.device, x.dtype):
+        return _experts_grouped(x, weights, expert_ids, gate_up, down)
+    num_slots, num_experts = expert_ids.numel(), gate_up.shape[0]
+    if num_slots <= num_experts:
+        return _experts_gather_bmm(x, weights, expert_ids, gate_up, down)
+    return _experts_dense(x, weights, expert_ids, gate_up, down)
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-expert slots sorted by expert -> (order [T*k] int64 slot ids, offs [E] int32 group ends), no host sync."""
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1))
+    experts = torch.arange(num_experts, device=expert_ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)  # [E]
+    return order, offs
+
+
+def combine_slots(y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Expert outputs in sorted order [T*k, H] -> routing-weighted sum per token [T, H]."""
+    num_tokens, top_k = weights.shape
+    y_slots = torch.empty_like(y_sorted).index_copy_(0, order, y_sorted)  # [T*k, H] in slot order
+    y_slots = y_slots.view(num_tokens, top_k, -1)
+    return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1)
+
+
+def swiglu(gate_up_out: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> silu(first half) * second half, [N, I]."""
+    inter = gate_up_out.shape[-1] // 2
+    return F.silu(gate_up_out[..., :inter]) * gate_up_out[..., inter:]
+
+
+def _experts_grouped(x, weights, expert_ids, gate_up, down):
+    top_k = expert_ids.shape[1]
+    order, offs = sort_by_expert(expert_ids, gate_up.shape[0])
+    x_sorted = x.index_select(0, order // top_k)  # [T*k, H]
+    hidden = compat.grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs)  # [T*k, 2I]
+    y_sorted = compat.grouped_mm(swiglu(hidden), down.transpose(-2, -1), offs)  # [T*k, H]
+    return combine_slots(y_sorted, order, weights).to(x.dtype)
+
+
+def _experts_gather_bmm(x, weights, expert_ids, gate_up, down):
+    """Few slots: copy the chosen experts' weights (T*k <= E copies) and batch the matvecs."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1], 1)  # [T*k, H, 1]
+    hidden = torch.bmm(gate_up.index_select(0, flat_ids), x_slots).squeeze(-1)  # [T*k, 2I]
+    y_slots = torch.bmm(down.index_select(0, flat_ids), swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    y_slots = y_slots.view(num_tokens, top_k, -1)
+    return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1).to(x.dtype)
+
+
+def _experts_dense(x, weights, expert_ids, gate_up, down):
+    """Many slots: run every token through every expert (reads each expert once), zero weight where unrouted."""
+    num_experts = gate_up.shape[0]
+    hidden = torch.matmul(x.unsqueeze(0), gate_up.transpose(-2, -1))  # [E, T, 2I]
+    y_all = torch.bmm(swiglu(hidden), down.transpose(-2, -1))  # [E, T, H]
+    dense_weights = torch.zeros(x.shape[0], num_experts, dtype=y_all.dtype, device=x.device)
+    dense_weights.scatter_(1, expert_ids, weights.to(y_all.dtype))  # [T, E]
+    return torch.bmm(dense_weights.unsqueeze(1), y_all.transpose(0, 1)).squeeze(1).to(x.dtype)
+
+
+def moe_experts_reference(x, weights, expert_ids, gate_up, down):
+    """Readable twin: a loop over the experts that were hit (host syncs allowed), fp32 accumulation."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    for expert in expert_ids.unique().tolist():
+        token_idx, slot_idx = (expert_ids == expert).nonzero(as_tuple=True)
+        hidden = x[token_idx] @ gate_up[expert].t()  # [n, 2I]
+        y = swiglu(hidden) @ down[expert].t()  # [n, H]
+        out.index_add_(0, token_idx, y.float() * weights[token_idx, slot_idx, None].float())
+    return out.to(x.dtype)

@@ -1,0 +1,42 @@
+"""Attention over a paged KV cache, and writing new K/V into it.
+
+Cache layout per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim]`. A step's tokens come
+flat; `meta` (server.models.base.AttentionMetadata, passed duck-typed to keep kernels free of models)
+maps them onto a padded `[num_seqs, max_q_len]` query view.
+
+This path gathers each sequence's blocks before SDPA: correct everywhere, but it copies the sequence's
+KV every step. A fused paged-decode kernel is the planned fast path (see docs/PERF.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V."""
+    num_seqs, max_blocks = meta.block_tables.shape
+    block_size = k_cache.shape[1]
+    q_pad = q[meta.query_index].transpose(1, 2)  # [num_seqs, heads, max_q_len, head_dim]
+    k_seq = k_cache[meta.block_tables].view(num_seqs, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
+    v_seq = v_cache[meta.block_tables].view(num_seqs, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
+    key_pos = torch.arange(max_blocks * block_size, device=q.device)
+    mask = key_pos[None, None, :] <= meta.query_positions[:, :, None]  # [num_seqs, max_q_len, max_kv_len]
+    out = attention_reference(q_pad, k_seq, v_seq, mask[:, None], scale)  # [num_seqs, heads, max_q_len, head_dim]
+    return out.transpose(1, 2)[meta.token_rows, meta.token_cols]  # [num_tokens, heads, head_dim]
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with a boolean mask; KV heads are shared by `heads // kv_heads` query heads (GQA)."""
+    num_groups = q.shape[1] // k.shape[1]
+    if num_groups > 1:
+        k = k.repeat_interleave(num_groups, dim=1)
+        v = v.repeat_interleave(num_groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,72 @@
+"""ModelArgs from a Hugging Face config, the per-step attention metadata, and the Model protocol."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+# Names that differ between checkpoint generations / transformers versions -> our field name.
+CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
+
+
+@dataclass
+class BaseModelArgs:
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]):
+        """Build from config.json, dropping keys this architecture does not declare."""
+        config = dict(config)
+        for alias, name in CONFIG_ALIASES.items():
+            if alias in config and name not in config:
+                config[name] = config[alias]
+        # transformers 5 writes `rope_parameters`; older checkpoints carry rope_theta / rope_scaling.
+        rope = dict(config.get("rope_parameters") or {})
+        legacy = config.get("rope_scaling") or {}
+        rope = {**legacy, **rope}
+        if "rope_theta" not in rope and "rope_theta" in config:
+            rope["rope_theta"] = config["rope_theta"]
+        if "partial_rotary_factor" not in rope and "partial_rotary_factor" in config:
+            rope["partial_rotary_factor"] = config["partial_rotary_factor"]
+        config["rope_parameters"] = rope
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in names})
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step layout of a flat batch of tokens from several sequences over the paged KV cache.
+
+    Tokens of the step are flat `[num_tokens]`; attention runs on a padded `[num_seqs, max_q_len]` view.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot each new token's K/V is written to
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int64
+    query_index: torch.Tensor  # [num_seqs, max_q_len] int64: flat token index (padding points at 0)
+    query_positions: torch.Tensor  # [num_seqs, max_q_len] int64: absolute position (padding 0)
+    token_rows: torch.Tensor  # [num_tokens] int64: the sequence row of each flat token
+    token_cols: torch.Tensor  # [num_tokens] int64: its column in the padded view
+
+
+def rope_inv_freq(head_dim: int, rope: dict[str, Any], device: torch.device | str = "cpu") -> torch.Tensor:
+    """inv_freq for the rotated part of the head, with llama3 scaling when configured."""
+    theta = float(rope.get("rope_theta", 10000.0))
+    rot_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
+    inv_freq = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device=device).float() / rot_dim)
+    if rope.get("rope_type", rope.get("type")) == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq  # [rot_dim // 2]
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
+    factor = float(rope["factor"])
+    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
+    orig = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+    return torch.where(is_medium, blended, scaled)

@@ -1,0 +1,174 @@
+"""Layers shared by every architecture: norms, RoPE, paged attention, SwiGLU, fused linears, MoE.
+
+Attribute names follow Hugging Face so weight loading is an identity map plus the fusion table that
+`MergedLinear.source_names` and `FusedExperts` declare.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.kernels import moe as moe_ops
+from server.kernels.paged_attention import paged_attention, write_kv
+from server.models.base import AttentionMetadata, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """`zero_centered=False` (Llama/Qwen3/LFM2): w * norm(x).to(dtype). True (Qwen3-Next/3.5): (norm(x) * (1 + w)).to(dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """Several checkpoint projections stored as one weight (rows concatenated), read with one GEMM.
+
+    `source_names[i]` is the checkpoint module name of the i-th row block; the loader fills the block.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], source_names: list[str], bias: bool = False):
+        super().__init__(in_features, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.source_names = list(source_names)
+
+    def shard_rows(self, index: int) -> slice:
+        start = sum(self.output_sizes[:index])
+        return slice(start, start + self.output_sizes[index])
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for the given positions; computed once per forward and shared by every layer."""
+
+    def __init__(self, head_dim: int, rope: dict):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = dict(rope)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, self.rope, "cpu"), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Recompute after the model was materialized from the meta device."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.rope, self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, rot_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # [num_tokens, rot_dim]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first `cos.shape[-1]` dims of each head (partial rotary passes the rest)."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    half = rot_dim // 2
+    rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]  # x: [num_tokens, heads, head_dim]
+    return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+class Attention(nn.Module):
+    """GQA attention over the paged KV cache, with optional per-head q/k RMSNorm before RoPE."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm_eps: float | None = None,
+        o_proj_name: str = "o_proj",
+        q_norm_name: str = "q_norm",
+        k_norm_name: str = "k_norm",
+    ):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
+        )
+        self.o_proj_name = o_proj_name
+        setattr(self, o_proj_name, nn.Linear(self.q_size, hidden_size, bias=False))
+        self.q_norm_name, self.k_norm_name = q_norm_name, k_norm_name
+        self.has_qk_norm = qk_norm_eps is not None
+        if self.has_qk_norm:
+            setattr(self, q_norm_name, RMSNorm(head_dim, qk_norm_eps))
+            setattr(self, k_norm_name, RMSNorm(head_dim, qk_norm_eps))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q = getattr(self, self.q_norm_name)(q)
+            k = getattr(self, self.k_norm_name)(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
+        return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU `down(silu(gate(x)) * up(x))` with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        gate_name, up_name, down_name = names
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], [gate_name, up_name])
+        self.down_name = down_name
+        setattr(self, down_name, nn.Linear(intermediate_size, hidden_size, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return getattr(self, self.down_name)(F.silu(gate) * up)
+
+
+class FusedExperts(nn.Module):
+    """All experts of one MoE layer: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+
+    Checkpoints store these fused (Qwen3.5) or per expert (`experts.{e}.{gate,up,down}_proj.weight`);
+    `per_expert_names` declares the latter for the loader.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.per_expert_names = per_expert_names
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return moe_ops.moe_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj)
+
+
+class SoftmaxMoE(nn.Module):
+    """Qwen3-MoE block: softmax router in fp32, top-k, optional renormalization; no shared expert."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, expert_ids)

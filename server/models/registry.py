@@ -1,0 +1,21 @@
+"""model_type -> architecture module. Each module exports ModelArgs and Model."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# model_type (config.json) -> module under server.models
+MODEL_MODULES: dict[str, str] = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+}
+
+
+def get_model_module(model_type: str) -> ModuleType:
+    if model_type not in MODEL_MODULES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_MODULES))}"
+        )
+    return importlib.import_module(f"server.models.{MODEL_MODULES[model_type]}")
