@@ -19,7 +19,7 @@ import jinja2
 import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, processors
+from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as BackendTokenizer
 
 from server.engine.types import InvalidRequestError, ModelLoadError
@@ -77,14 +77,14 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # tokenizers raises a bare Exception on malformed files
             raise ModelLoadError(f"{tokenizer_path} could not be read by the tokenizers library: {exc}") from exc
-        # transformers' tokenizer(text) encodes without truncation or padding, whatever tokenizer.json says.
+        # transformers' tokenizer(text) encodes without truncation or padding, whatever tokenizer.json says;
+        # with a tokenizer.json it also ignores tokenizer_config's add_bos_token / add_eos_token.
         backend.no_truncation()
         backend.no_padding()
 
         config = _read_json(model_dir / TOKENIZER_CONFIG_FILE)
         special_tokens = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
         _add_config_tokens(backend, config, special_tokens)
-        _apply_bos_eos_flags(backend, config, special_tokens)
 
         eos_ids: set[int] = set()
         for name in ("generation_config.json", "config.json"):
@@ -238,24 +238,6 @@ def _add_config_tokens(backend: BackendTokenizer, config: dict, special_tokens: 
     named = [t for t in special_tokens.values() if t is not None and backend.token_to_id(t) is None]
     if named:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in dict.fromkeys(named)])
-
-
-def _apply_bos_eos_flags(backend: BackendTokenizer, config: dict, special_tokens: dict) -> None:
-    """An explicit add_bos_token / add_eos_token in tokenizer_config.json replaces tokenizer.json's
-    post-processor in transformers; do the same so `encode` gives the same ids."""
-    if "add_bos_token" not in config and "add_eos_token" not in config:
-        return
-    parts: list[tuple[str, int]] = []
-    for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
-        token = special_tokens.get(name)
-        token_id = backend.token_to_id(token) if token else None
-        parts.append((token, token_id) if config.get(flag) and token_id is not None else None)
-    bos, eos = parts
-    single = f"{bos[0] + ':0 ' if bos else ''}$A:0{' ' + eos[0] + ':0' if eos else ''}"
-    pair = f"{single}{' ' + bos[0] + ':1' if bos else ''} $B:1{' ' + eos[0] + ':1' if eos else ''}"
-    backend.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=[p for p in (bos, eos) if p]
-    )
 
 
 def _load_chat_template(model_dir: Path, config: dict) -> str | dict[str, str] | None:

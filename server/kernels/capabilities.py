@@ -165,15 +165,17 @@ def _check_streams(device: torch.device) -> str:
     if device.type == "cpu":
         raise RuntimeError("cpu has no device streams; host copies are synchronous")
     module = getattr(torch, device.type)
-    if not hasattr(module, "Stream") or not hasattr(module, "Event"):
-        raise AttributeError(f"torch.{device.type}.Stream/Event are missing from this torch build")
-    stream = module.Stream(device) if device.type == "cuda" else module.Stream()
+    missing = [name for name in ("Stream", "Event", "stream", "current_stream") if not hasattr(module, name)]
+    if missing:
+        raise AttributeError(f"torch.{device.type} lacks {', '.join(missing)} in this torch build")
+    stream = module.Stream(device=device) if device.type == "cuda" else module.Stream()
     source = torch.arange(8, device=device)
     stream.wait_stream(module.current_stream())
     with module.stream(stream):
-        host = source.to("cpu", non_blocking=True)
+        host = torch.empty(8, dtype=source.dtype, pin_memory=device.type == "cuda")
+        host.copy_(source, non_blocking=True)
         event = module.Event()
-        event.record(stream)
+        event.record()
     source.record_stream(stream)
     event.synchronize()
     if host.tolist() != list(range(8)):

@@ -1,0 +1,78 @@
+"""Prometheus metrics in a per-app registry (several apps in one process, e.g. tests, never collide).
+
+Request-level series are updated as requests run; engine gauges (queues, KV blocks, prefix-cache hits) are read
+from `engine.stats()` at scrape time, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from server.engine.types import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, read_stats: Callable[[], EngineStats | None]):
+        self._read_stats = read_stats
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration: the engine may not exist yet
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._read_stats()
+        yield GaugeMetricFamily("mps_serve_model_loaded", "1 once the engine is loaded and ready", 0 if stats is None else 1)
+        if stats is None:
+            return
+        gauges = {
+            "num_requests_waiting": ("Requests waiting to be scheduled", stats.num_waiting),
+            "num_requests_running": ("Requests being generated", stats.num_running),
+            "kv_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
+            "kv_blocks_free": ("KV-cache blocks free", stats.kv_blocks_free),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(f"mps_serve_{name}", doc, value)
+        yield CounterMetricFamily(
+            "mps_serve_prefix_cache_hit_tokens", "Prompt tokens served from reused KV", stats.prefix_cache_hit_tokens
+        )
+
+
+class Metrics:
+    def __init__(self, read_stats: Callable[[], EngineStats | None]):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.http_requests = Counter(
+            "mps_serve_http_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=reg
+        )
+        self.requests_finished = Counter(
+            "mps_serve_requests_finished",
+            "Generation requests (one per choice) by finish reason: stop, length, abort, error",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter("mps_serve_prompt_tokens", "Prompt tokens of finished requests", registry=reg)
+        self.cached_prompt_tokens = Counter(
+            "mps_serve_cached_prompt_tokens", "Prompt tokens of finished requests that reused KV", registry=reg
+        )
+        self.generation_tokens = Counter("mps_serve_generation_tokens", "Generated tokens", registry=reg)
+        self.time_to_first_token = Histogram(
+            "mps_serve_time_to_first_token_seconds", "From request arrival to the first token", buckets=_TTFT_BUCKETS, registry=reg
+        )
+        self.inter_token_latency = Histogram(
+            "mps_serve_inter_token_latency_seconds", "Time per generated token after the first", buckets=_ITL_BUCKETS, registry=reg
+        )
+        self.e2e_latency = Histogram(
+            "mps_serve_e2e_request_latency_seconds", "From request arrival to the last token", buckets=_E2E_BUCKETS, registry=reg
+        )
+        reg.register(_EngineStatsCollector(read_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

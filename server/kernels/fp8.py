@@ -1,0 +1,134 @@
+"""FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`.
+
+Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
+once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): the H200 measured
+that quantizing the activation per call, as separate ops, erases FP8's gain. Where the probe finds no row-wise
+`scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from server.kernels import compat
+from server.kernels.capabilities import fp8_rowwise_ok
+
+FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
+_ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
+
+
+def quantize_fp8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (w_fp8 [N, K] float8_e4m3fn, scale [N, 1] float32), w ~= w_fp8 * scale."""
+    weight_fp8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(weight.shape[0], 1, dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], _ROW_CHUNK):
+        rows = slice(start, start + _ROW_CHUNK)
+        weight_fp8[rows], scale[rows] = _quantize_rows(weight[rows])
+    return weight_fp8, scale
+
+
+def _quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    values = values.float()
+    scale = (values.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)  # [rows, 1]
+    return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (x_fp8 [M, K], x_scale [M, 1] float32) with M = prod(leading dims); one scale per token."""
+    return _quantize_rows(x.reshape(-1, x.shape[-1]))
+
+
+def fp8_linear(
+    x_fp8: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [M, 1] float32
+    w_fp8: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N, 1] float32
+    bias: torch.Tensor | None,  # [N] in out_dtype
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(x_fp8 * x_scale) @ (w_fp8 * w_scale).T + bias -> [M, N] in out_dtype."""
+    device = x_fp8.device
+    if fp8_rowwise_ok(device, bias is not None):
+        return compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), bias, out_dtype)
+    if bias is not None and fp8_rowwise_ok(device, False):
+        out = compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), None, out_dtype)
+        return out + bias
+    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+
+def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
+    """Twin of fp8_linear: dequantize both operands to float32 and multiply."""
+    out = (x_fp8.float() * x_scale) @ (w_fp8.float() * w_scale).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def blockwise_to_rowwise(
+    weight_fp8: torch.Tensor,  # [N, K] float8_e4m3fn, Hugging Face `quant_method: fp8` checkpoint
+    scale_inv: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32, the checkpoint's `weight_scale_inv`
+    block_size: tuple[int, int] = (128, 128),  # the checkpoint's `weight_block_size`
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-quantize a block-scaled FP8 weight to one scale per row (dequantize a chunk of rows at a time)."""
+    block_rows, block_cols = block_size
+    num_rows, num_cols = weight_fp8.shape
+    out_fp8 = torch.empty_like(weight_fp8)
+    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=weight_fp8.device)
+    chunk = max(block_rows, _ROW_CHUNK // block_rows * block_rows)  # whole blocks per chunk
+    for start in range(0, num_rows, chunk):
+        rows = slice(start, min(start + chunk, num_rows))
+        block_scale = scale_inv[start // block_rows : math.ceil(rows.stop / block_rows)].float()
+        block_scale = block_scale.repeat_interleave(block_rows, 0)[: rows.stop - start]
+        block_scale = block_scale.repeat_interleave(block_cols, 1)[:, :num_cols]  # [rows, K]
+        out_fp8[rows], scale[rows] = _quantize_rows(weight_fp8[rows].float() * block_scale)
+    return out_fp8, scale
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is FP8 with per-row scales; the bias stays in the model dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
+        super().__init__()
+        if FP8_DTYPE is None:
+            raise TypeError("this torch build has no float8_e4m3fn; FP8 quantization needs torch >= 2.1")
+        self.in_features, self.out_features, self.out_dtype = in_features, out_features, dtype
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; pass `x_quant = quantize_activation(x)` to share it between layers."""
+        x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)
+        out = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    @torch.no_grad()
+    def load_rows(self, rows: slice, tensor: torch.Tensor) -> None:
+        """Quantize a checkpoint tensor and copy it into rows `rows` (one part of a fused qkv / gate_up)."""
+        weight_fp8, scale = quantize_fp8_rowwise(tensor.to(self.weight.device))
+        self.weight[rows].copy_(weight_fp8)
+        self.weight_scale[rows].copy_(scale)
+
+    @torch.no_grad()
+    def load_fp8_rows(self, rows: slice, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
+        """Copy an already row-quantized weight (e.g. from blockwise_to_rowwise) into rows `rows`."""
+        self.weight[rows].copy_(weight_fp8.to(self.weight.device))
+        self.weight_scale[rows].copy_(scale.reshape(-1, 1).to(self.weight.device))
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> Fp8Linear:
+        dtype = dtype or linear.weight.dtype
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
+        layer.load_rows(slice(0, linear.out_features), linear.weight)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias.to(dtype))
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
