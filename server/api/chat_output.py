@@ -4,6 +4,7 @@ and logprobs. Streaming and non-streaming run the same parsers, so both give the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from server.api.reasoning import ReasoningParser
@@ -98,6 +99,11 @@ class MessageBuilder:
         return message
 
 
+def _finite(logprob: float) -> float:
+    # -inf (a masked token) is not valid JSON; OpenAI reports such tokens as -9999.0
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
 def _token_bytes(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
@@ -107,10 +113,10 @@ def chat_logprobs(tokens: list[TokenLogprob]) -> dict[str, Any]:
         "content": [
             {
                 "token": t.token,
-                "logprob": t.logprob,
+                "logprob": _finite(t.logprob),
                 "bytes": _token_bytes(t.token),
                 "top_logprobs": [
-                    {"token": top.token, "logprob": top.logprob, "bytes": _token_bytes(top.token)} for top in t.top
+                    {"token": top.token, "logprob": _finite(top.logprob), "bytes": _token_bytes(top.token)} for top in t.top
                 ],
             }
             for t in tokens
@@ -127,7 +133,7 @@ def completion_logprobs(tokens: list[TokenLogprob], text_offset: int) -> dict[st
         text_offset += len(t.token)
     return {
         "tokens": [t.token for t in tokens],
-        "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{top.token: top.logprob for top in t.top} or {t.token: t.logprob} for t in tokens],
+        "token_logprobs": [_finite(t.logprob) for t in tokens],
+        "top_logprobs": [{top.token: _finite(top.logprob) for top in t.top} or {t.token: _finite(t.logprob)} for t in tokens],
         "text_offset": offsets,
     }

@@ -49,6 +49,16 @@ class _OutputState:
     logprobs: list[TokenLogprob] | None = None
 
 
+class _NoText:
+    """Detokenizer stand-in for engines without a tokenizer (benchmarks): outputs are token ids only."""
+
+    def add(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int, model_name: str):
         self.model, self.tokenizer, self.config = model, tokenizer, config
@@ -73,6 +83,14 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str = "demo", device: str = "auto", dtype: str = "auto", quantization: str | None = None, **overrides: Any) -> Engine:
         return cls.from_config(EngineConfig(model=model, device=device, dtype=dtype, quantization=quantization, **overrides))
+
+    @classmethod
+    def from_model(cls, model, config: EngineConfig, device: torch.device, tokenizer: Tokenizer | None = None, max_model_len: int | None = None) -> Engine:
+        """Serve an already-built model (benchmarks build random-weight models of real shapes on the device).
+        Without a tokenizer, prompts must be token ids and outputs carry no text."""
+        dtype = next(model.parameters()).dtype
+        limit = max_model_len or config.max_model_len or model.args.max_position_embeddings
+        return cls(model, tokenizer, config, device, dtype, limit, config.model)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -119,6 +137,8 @@ class Engine:
         """Tokenize and validate; raises InvalidRequestError / ContextLengthExceededError."""
         params.validate(self.vocab_size)
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
         else:
             prompt_ids = [int(t) for t in prompt]
@@ -130,7 +150,7 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
         stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        if not params.ignore_eos and self.tokenizer is not None:
             stop_ids |= set(self.tokenizer.eos_token_ids)
         return Request(
             request_id=request_id or uuid.uuid4().hex,
@@ -144,7 +164,7 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         self._outputs[request.request_id] = _OutputState(
-            IncrementalDetokenizer(self.tokenizer, request.token_ids),
+            IncrementalDetokenizer(self.tokenizer, request.token_ids) if self.tokenizer else _NoText(),
             StopStringMatcher(request.params.stop, request.params.include_stop_str_in_output),
             logprobs=[] if request.params.logprobs is not None else None,
         )
@@ -195,7 +215,7 @@ class Engine:
         return self._delta(request, emit, [token.token_id], [logprob] if logprob else None)
 
     def _logprob(self, token: SampledToken) -> TokenLogprob:
-        text = self.tokenizer.token_text
+        text = self.tokenizer.token_text if self.tokenizer else str
         top = [TopLogprob(t, text(t), lp) for t, lp in zip(token.top_ids, token.top_logprobs, strict=True)]
         return TokenLogprob(token.token_id, text(token.token_id), float(token.logprob or 0.0), top)
 

@@ -335,13 +335,16 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 
 def _prepare_message(message: Any) -> dict:
-    """Drop None-valued keys (OpenAI clients send content=None next to tool_calls) and parse tool-call
-    arguments sent as JSON strings into dicts, since templates index and iterate them."""
+    """Drop None-valued keys as transformers does, except `content`: OpenAI clients send content=null next
+    to tool_calls and templates such as Qwen3's fail without it, so it becomes "" (vLLM does the same).
+    Tool-call arguments sent as JSON strings are parsed into dicts, since templates index and iterate them."""
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         message = dataclasses.asdict(message)
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"Each message must be an object with a role, got {message!r}.", param="messages")
     message = {k: v for k, v in message.items() if v is not None}
+    if "content" not in message and message.get("role") is not None:
+        message["content"] = ""
     if isinstance(message.get("tool_calls"), list):
         message["tool_calls"] = [_parse_tool_call(call) for call in message["tool_calls"]]
     return message

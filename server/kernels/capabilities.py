@@ -36,14 +36,20 @@ class Capabilities:
     grouped_mm_bf16: Probe
     grouped_mm_fp16: Probe
     grouped_mm_fp32: Probe
+    grouped_mm_bf16_traced: Probe  # the op's shape function (used by torch.compile) accepts the dtype
+    grouped_mm_fp16_traced: Probe
+    grouped_mm_fp32_traced: Probe
     fp8_grouped: Probe  # scaled_grouped_mm row-wise
     streams: Probe  # a side stream + event for non-blocking device-to-host copies
     compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
 
-    def grouped_mm(self, dtype: torch.dtype) -> bool:
-        by_dtype = {torch.bfloat16: self.grouped_mm_bf16, torch.float16: self.grouped_mm_fp16, torch.float32: self.grouped_mm_fp32}
-        probe = by_dtype.get(dtype)
-        return probe is not None and probe.ok
+    def grouped_mm(self, dtype: torch.dtype, tracing: bool = False) -> bool:
+        """Whether grouped_mm runs for dtype; with tracing, also under torch.compile."""
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+        if dtype not in names:
+            return False
+        eager = getattr(self, f"grouped_mm_{names[dtype]}").ok
+        return eager and (not tracing or getattr(self, f"grouped_mm_{names[dtype]}_traced").ok)
 
     def describe(self) -> list[str]:
         lines = [f"device {self.device}, torch {self.torch_version}"]
@@ -77,6 +83,9 @@ def _probe_all(device_name: str) -> Capabilities:
         grouped_mm_bf16=_run(lambda: _check_grouped_mm(device, torch.bfloat16)),
         grouped_mm_fp16=_run(lambda: _check_grouped_mm(device, torch.float16)),
         grouped_mm_fp32=_run(lambda: _check_grouped_mm(device, torch.float32)),
+        grouped_mm_bf16_traced=_run(lambda: _check_grouped_mm_meta(torch.bfloat16)),
+        grouped_mm_fp16_traced=_run(lambda: _check_grouped_mm_meta(torch.float16)),
+        grouped_mm_fp32_traced=_run(lambda: _check_grouped_mm_meta(torch.float32)),
         fp8_grouped=_run(lambda: _check_scaled_grouped_mm(device)),
         streams=_run(lambda: _check_streams(device)),
         compile=_run(lambda: _check_compile(device)),
@@ -146,6 +155,15 @@ def _check_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
     return _compare(out, ref, _op_name("grouped_mm", "_grouped_mm"))
 
 
+def _check_grouped_mm_meta(dtype: torch.dtype) -> str:
+    """Meta tensors run the op's shape function, which is what torch.compile traces through."""
+    meta = torch.device("meta")
+    offs = torch.empty(4, dtype=torch.int32, device=meta)
+    mat_b = torch.empty(4, 48, 64, dtype=dtype, device=meta).transpose(-2, -1)
+    compat.grouped_mm(torch.empty(32, 64, dtype=dtype, device=meta), mat_b, offs)
+    return "shape function accepts it"
+
+
 def _check_scaled_grouped_mm(device: torch.device) -> str:
     if _FP8 is None:
         raise TypeError("torch.float8_e4m3fn is missing from this torch build")
@@ -197,9 +215,9 @@ def _check_compile(device: torch.device) -> str:
 
 
 @torch.compiler.assume_constant_result
-def grouped_mm_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Traced code asks here: torch.compile treats the (cached) answer as a constant."""
-    return capabilities(device).grouped_mm(dtype)
+def grouped_mm_ok(device: torch.device, dtype: torch.dtype, tracing: bool) -> bool:
+    """Traced code asks here (tracing=torch.compiler.is_compiling()): torch.compile keeps the answer as a constant."""
+    return capabilities(device).grouped_mm(dtype, tracing)
 
 
 @torch.compiler.assume_constant_result

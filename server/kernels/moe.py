@@ -57,7 +57,7 @@ def moe_experts(
     down: torch.Tensor,  # [E, H, I]
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * down[e] @ (silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H]."""
-    if grouped_mm_ok(x.device, x.dtype):
+    if grouped_mm_ok(x.device, x.dtype, torch.compiler.is_compiling()):
         return _experts_grouped(x, weights, expert_ids, gate_up, down)
     num_slots, num_experts = expert_ids.numel(), gate_up.shape[0]
     if num_slots <= num_experts:

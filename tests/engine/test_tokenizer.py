@@ -236,7 +236,8 @@ def conversations(rng: random.Random, name: str, as_string: bool) -> list[tuple[
     ]
     calls = [
         {"role": "user", "content": "Weather in Paris? " + say()},
-        {"role": "assistant", "content": None, "tool_calls": [paris]},
+        # OpenAI clients send content null here; transformers drops it (Qwen3's template then fails), we send ""
+        {"role": "assistant", "content": None if as_string else "", "tool_calls": [paris]},
         {"role": "tool", "tool_call_id": "call_get_weather", "content": '{"temp": 21.5}'},
     ]
     if name == "qwen3":
@@ -371,7 +372,8 @@ def test_template_helpers_match_transformers(demo_dir, tmp_path, rng):
     [
         "{{ ''.__class__.__mro__[1].__subclasses__() }}",
         "{{ messages.__class__.__base__ }}",
-        "{{ raise_exception.__globals__ }}",
+        "{{ raise_exception.__globals__['os'] }}",
+        "{{ cycler.__init__.__globals__.os }}",
         "{% set ns = namespace() %}{% set ns.__class__ = 1 %}",
         "{{ namespace(_private=1) }}",
         "{{ messages.append(1) }}",
@@ -390,5 +392,6 @@ def test_sandbox_refuses_attribute_escapes(demo_dir, tmp_path, template):
 
 
 def test_sandbox_hides_python_objects(demo_dir, tmp_path):
-    model_dir = write_template_dir(demo_dir, tmp_path, "[{{ ''.__class__ }}][{{ messages[0].content.__len__ }}]")
-    assert Tokenizer.from_pretrained(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "[][]"
+    template = "[{{ ''.__class__ }}][{{ messages[0].content.__len__ }}][{{ raise_exception.__globals__ }}]"
+    model_dir = write_template_dir(demo_dir, tmp_path, template)
+    assert Tokenizer.from_pretrained(model_dir).apply_chat_template([{"role": "user", "content": "hi"}]) == "[][][]"

@@ -1,0 +1,192 @@
+"""The engine requests behind one HTTP request (n choices per prompt), submitted together and read as one
+stream of (choice, delta) events, with keepalive ticks, metrics, and abort on close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import anyio
+
+from server.api.metrics import Metrics
+from server.engine.protocol import RequestHandle, ServingEngine
+from server.engine.types import ContextLengthExceededError, QueueFullError, SamplingParams, StreamDelta
+
+KEEPALIVE = None  # yielded by Generation.events() when nothing arrived for keepalive_s
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    handle: RequestHandle
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    num_tokens_seen: int = 0
+    last_token_at: float | None = None
+
+
+def _submit_one(
+    engine: ServingEngine, prompt: str | list[int], params: SamplingParams, request_id: str, explicit_max: bool
+) -> RequestHandle:
+    try:
+        return engine.submit(prompt, params, request_id=request_id)
+    except ContextLengthExceededError as exc:
+        if explicit_max:
+            raise
+        # No max_tokens given: generate up to the context limit, which needs the prompt length the engine found.
+        room = engine.max_model_len - exc.prompt_len
+        if room < 1:
+            raise ContextLengthExceededError(exc.prompt_len, 1, engine.max_model_len) from None
+        return engine.submit(prompt, replace(params, max_tokens=room), request_id=request_id)
+
+
+async def submit_choices(
+    engine: ServingEngine,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    *,
+    n: int,
+    request_id: str,
+    explicit_max_tokens: bool,
+    max_waiting: int,
+) -> list[Choice]:
+    """Submit n requests per prompt; on any failure the ones already queued are aborted and it re-raises."""
+    num_new = len(prompts) * n
+    num_waiting = engine.stats().num_waiting
+    if num_waiting + num_new > max_waiting:
+        raise QueueFullError(num_waiting)
+    choices: list[Choice] = []
+    try:
+        for prompt_index, prompt in enumerate(prompts):
+            for j in range(n):
+                # seeded n>1 choices differ from each other yet stay reproducible
+                choice_params = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
+                rid = request_id if num_new == 1 else f"{request_id}-{len(choices)}"
+                handle = _submit_one(engine, prompt, choice_params, rid, explicit_max_tokens)
+                choices.append(Choice(len(choices), prompt_index, handle, prompt_tokens=handle.prompt_tokens))
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            for choice in choices:
+                await choice.handle.abort()
+        raise
+    return choices
+
+
+class Generation:
+    def __init__(self, choices: list[Choice], metrics: Metrics, started_at: float):
+        self.choices = choices
+        self.server_aborted = False  # set when shutdown's grace period ran out
+        self.disconnected = False
+        self._metrics = metrics
+        self._started_at = started_at
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._readers: list[asyncio.Task] = []
+        self._closed = False
+
+    async def events(self, keepalive_s: float | None = None) -> AsyncIterator[tuple[Choice, StreamDelta] | None]:
+        """(choice, delta) in arrival order; a choice that ends without a finish reason ends as "abort".
+        Raises the engine's exception if one of the requests fails."""
+        self._readers = [asyncio.create_task(self._read(choice)) for choice in self.choices]
+        remaining = len(self.choices)
+        while remaining:
+            try:
+                choice, payload = await asyncio.wait_for(self._queue.get(), keepalive_s)
+            except asyncio.TimeoutError:
+                yield KEEPALIVE
+                continue
+            if isinstance(payload, BaseException):
+                self._record_finish(choice, "error")
+                raise payload
+            if payload is None:
+                remaining -= 1
+                if choice.finish_reason is None:
+                    payload = StreamDelta(request_id=getattr(choice.handle, "request_id", ""), text="", token_ids=[])
+                    payload.finish_reason = "abort"
+                else:
+                    continue
+            elif choice.finish_reason is not None:
+                continue  # nothing counts after the final delta
+            self._observe(choice, payload)
+            yield choice, payload
+
+    async def _read(self, choice: Choice) -> None:
+        try:
+            async for delta in choice.handle:
+                await self._queue.put((choice, delta))
+                if delta.finish_reason is not None:
+                    break
+        except Exception as exc:  # the consumer re-raises it in the request's task
+            await self._queue.put((choice, exc))
+            return
+        await self._queue.put((choice, None))
+
+    def _observe(self, choice: Choice, delta: StreamDelta) -> None:
+        now = time.monotonic()
+        num_new = len(delta.token_ids)
+        if num_new:
+            if choice.last_token_at is None:
+                self._metrics.time_to_first_token.observe(now - self._started_at)
+                num_new -= 1  # the first token is TTFT; the rest of this delta arrived with it
+            if num_new:
+                gap = (now - choice.last_token_at) / num_new if choice.last_token_at is not None else 0.0
+                for _ in range(num_new):
+                    self._metrics.inter_token_latency.observe(gap)
+            choice.last_token_at = now
+        choice.num_tokens_seen += len(delta.token_ids)
+        # deltas may carry running totals or nothing: take whichever count is larger
+        choice.completion_tokens = max(choice.num_tokens_seen, delta.completion_tokens, choice.completion_tokens)
+        choice.prompt_tokens = max(choice.prompt_tokens, delta.prompt_tokens)
+        choice.cached_tokens = max(choice.cached_tokens, delta.cached_tokens)
+        if delta.finish_reason is not None:
+            self._record_finish(choice, delta.finish_reason)
+
+    def _record_finish(self, choice: Choice, reason: str) -> None:
+        choice.finish_reason = reason
+        metrics = self._metrics
+        metrics.requests_finished.labels(finish_reason=reason).inc()
+        metrics.generation_tokens.inc(choice.completion_tokens)
+        metrics.e2e_latency.observe(time.monotonic() - self._started_at)
+        if choice.index == min(c.index for c in self.choices if c.prompt_index == choice.prompt_index):
+            metrics.prompt_tokens.inc(choice.prompt_tokens)
+            metrics.cached_prompt_tokens.inc(choice.cached_tokens)
+
+    def usage(self) -> dict:
+        """OpenAI usage: each prompt counted once (its first choice), completions summed over choices."""
+        firsts = {}
+        for choice in self.choices:
+            firsts.setdefault(choice.prompt_index, choice)
+        prompt_tokens = sum(c.prompt_tokens for c in firsts.values())
+        completion_tokens = sum(c.completion_tokens for c in self.choices)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts.values())},
+        }
+
+    async def abort(self, *, server: bool = False) -> None:
+        """Abort every unfinished request; `server` marks a shutdown abort (the client is told why)."""
+        self.server_aborted = self.server_aborted or server
+        with anyio.CancelScope(shield=True):
+            for choice in self.choices:
+                if choice.finish_reason is None:
+                    await choice.handle.abort()
+
+    async def aclose(self) -> None:
+        """Idempotent: abort what still runs (client gone or error) and stop the readers."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            for choice in self.choices:
+                if choice.finish_reason is None:
+                    self._record_finish(choice, "abort")
+                    await choice.handle.abort()
+            for task in self._readers:
+                task.cancel()

@@ -1,0 +1,65 @@
+"""Pure-ASGI middleware: API-key check and per-status request counting (streams stay unbuffered)."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.api.errors import APIError
+from server.api.metrics import Metrics
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class AuthMiddleware:
+    """`Authorization: Bearer <key>` on /v1/*, compared in constant time; /health and /metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            error = self._check(Headers(scope=scope).get("authorization"))
+            if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _check(self, header: str | None) -> APIError | None:
+        auth = {"WWW-Authenticate": "Bearer"}
+        if not header:
+            return APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                            code="invalid_api_key", headers=auth)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
+            return APIError(401, "Incorrect API key provided.", code="invalid_api_key", headers=auth)
+        return None
+
+
+class StatusMetricsMiddleware:
+    """Counts every HTTP response by endpoint and status code (unknown paths are one "other" label)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics):
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_with_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            path = scope["path"]
+            endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+            self._metrics.http_requests.labels(endpoint=endpoint, status=str(status["code"])).inc()

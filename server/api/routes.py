@@ -1,0 +1,224 @@
+"""HTTP endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
+
+The `model` field of a request is not checked: this server serves one model, so the served name, an alias or
+anything else selects it and never triggers a Hub lookup (mlx-lm#1133); responses carry the served name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from server.api.errors import APIError, from_engine_error, validation_error
+from server.api.generation import Generation, submit_choices
+from server.api.messages import template_messages
+from server.api.metrics import CONTENT_TYPE
+from server.api.reasoning import prompt_opens_reasoning
+from server.api.schemas import ChatCompletionRequest, CompletionRequest
+from server.api.sse import SSEResponse, run_until_disconnect
+from server.api.state import ServingState
+from server.api.streaming import ResponseContext, collect_chat, collect_completion, stream_chat, stream_completion
+from server.engine.protocol import ServingEngine
+from server.engine.types import ContextLengthExceededError, InvalidRequestError, SamplingParams
+
+logger = logging.getLogger("mps_serve.api")
+router = APIRouter()
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+
+
+def _state(request: Request) -> ServingState:
+    return request.app.state.serving
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `limit` bytes (Content-Length first, then counted while reading)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise APIError(400, "Invalid Content-Length header.")
+        if int(declared) > limit:
+            raise APIError(413, f"Request body of {declared} bytes exceeds the limit of {limit} bytes.",
+                           code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"Request body exceeds the limit of {limit} bytes.", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _validate(params: SamplingParams) -> None:
+    try:
+        params.validate()
+    except InvalidRequestError as exc:
+        raise from_engine_error(exc) from None
+
+
+async def _start(
+    state: ServingState,
+    engine: ServingEngine,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    *,
+    n: int,
+    request_id: str,
+    explicit_max_tokens: bool,
+    started_at: float,
+    prompt_param: str,
+) -> Generation:
+    try:
+        choices = await submit_choices(
+            engine, prompts, params, n=n, request_id=request_id,
+            explicit_max_tokens=explicit_max_tokens, max_waiting=state.config.max_waiting_requests,
+        )
+    except Exception as exc:
+        err = from_engine_error(exc)
+        if isinstance(exc, ContextLengthExceededError):
+            err.param = prompt_param
+        raise err from None
+    generation = Generation(choices, state.metrics, started_at)
+    state.active.add(generation)
+    logger.info("%s: %d choice(s), %d prompt tokens", request_id, len(choices), choices[0].prompt_tokens)
+    return generation
+
+
+async def _respond(
+    request: Request,
+    state: ServingState,
+    ctx: ResponseContext,
+    stream: bool,
+    streamer: Callable[[ResponseContext], AsyncIterator[str]],
+    collector: Callable[[ResponseContext], Coroutine[Any, Any, dict[str, Any]]],
+) -> Response:
+    generation = ctx.generation
+
+    async def close() -> None:
+        await generation.aclose()
+        state.active.discard(generation)
+
+    if stream:
+        return SSEResponse(streamer(ctx), on_close=close)
+    try:
+        completed, body = await run_until_disconnect(request.receive, collector(ctx))
+    finally:
+        await close()
+    if not completed:
+        logger.info("%s: client disconnected; request aborted", ctx.id)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    return JSONResponse(body)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    started_at = time.monotonic()
+    state = _state(request)
+    engine = state.ready_engine()
+    req: ChatCompletionRequest = _parse(ChatCompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    tools = req.tools_for_template()
+    messages = template_messages(req.messages)
+    params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
+    _validate(params)
+    template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    try:
+        prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
+                                    **template_kwargs)
+    except Exception as exc:
+        raise from_engine_error(exc) from None
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    generation = await _start(
+        state, engine, [prompt], params, n=req.n, request_id=request_id, started_at=started_at,
+        explicit_max_tokens=req.requested_max_tokens is not None, prompt_param="messages",
+    )
+    ctx = ResponseContext(
+        id=request_id, created=int(time.time()), model=state.served_model_name,
+        system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
+        keepalive_s=state.config.keepalive_interval_s, logprobs=req.logprobs,
+        reasoning_field=state.config.reasoning_field, start_in_reasoning=prompt_opens_reasoning(prompt), tools=tools,
+    )
+    return await _respond(request, state, ctx, req.stream, stream_chat, collect_chat)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    started_at = time.monotonic()
+    state = _state(request)
+    engine = state.ready_engine()
+    req: CompletionRequest = _parse(CompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    prompts = req.prompts()
+    params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
+    _validate(params)
+    echo_prompts: list[str] = []
+    if req.echo:
+        if not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "echo needs text prompts (token-id prompts cannot be echoed).", param="echo")
+        echo_prompts = list(prompts)  # type: ignore[arg-type]
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = await _start(
+        state, engine, prompts, params, n=req.n, request_id=request_id, started_at=started_at,
+        explicit_max_tokens=req.max_tokens is not None, prompt_param="prompt",
+    )
+    ctx = ResponseContext(
+        id=request_id, created=int(time.time()), model=state.served_model_name,
+        system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
+        keepalive_s=state.config.keepalive_interval_s, logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
+    )
+    return await _respond(request, state, ctx, req.stream, stream_completion, collect_completion)
+
+
+def _model_card(state: ServingState, model_id: str) -> dict[str, Any]:
+    card = {"id": model_id, "object": "model", "created": state.created, "owned_by": "mps-serve"}
+    if state.engine is not None:
+        card["max_model_len"] = state.engine.max_model_len
+    return card
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    return {"object": "list", "data": [_model_card(state, name) for name in state.model_ids]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    state = _state(request)
+    if model_id not in state.model_ids:
+        raise APIError(404, f"The model {model_id!r} does not exist; this server serves {state.served_model_name!r}.",
+                       param="model", code="model_not_found")
+    return _model_card(state, model_id)
+
+
+@router.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = _state(request)
+    if state.draining:
+        return APIError(503, "The server is shutting down.", code="server_shutdown").response()
+    if not state.is_ready:
+        return APIError(503, "The model is still loading.", code="model_loading").response()
+    return JSONResponse({"status": "ok", "model": state.served_model_name})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,84 @@
+"""What one app instance holds: its config, the engine once loaded, metrics, and the requests in flight."""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import metadata
+
+from server.api.errors import APIError
+from server.api.generation import Generation
+from server.api.metrics import Metrics
+from server.config import ServerConfig
+from server.engine.protocol import ServingEngine
+from server.engine.types import EngineStats
+
+logger = logging.getLogger("mps_serve.api")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("mps-serve")
+    except metadata.PackageNotFoundError:
+        return "dev"
+
+
+class ServingState:
+    def __init__(self, config: ServerConfig, model_name: str | None = None):
+        self.config = config
+        self.engine: ServingEngine | None = None
+        self.draining = False
+        self.created = int(time.time())
+        self.system_fingerprint = f"fp_mps_serve_{_version()}"
+        self.active: set[Generation] = set()
+        self.metrics = Metrics(self.read_stats)
+        self._model_name = model_name
+
+    @property
+    def served_model_name(self) -> str:
+        """--served-model-name, else the model argument (path or Hub id), else what the engine loaded."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if self._model_name:
+            return self._model_name
+        return self.engine.model_name if self.engine is not None else "unknown"
+
+    @property
+    def model_ids(self) -> list[str]:
+        names = [self.served_model_name]
+        names += [alias for alias in self.config.model_aliases if alias not in names]
+        return names
+
+    @property
+    def is_ready(self) -> bool:
+        return self.engine is not None and self.engine.is_ready
+
+    def ready_engine(self) -> ServingEngine:
+        if self.draining:
+            raise APIError(503, "The server is shutting down.", code="server_shutdown")
+        if not self.is_ready:
+            raise APIError(503, "The model is still loading; retry shortly.", code="model_loading",
+                           headers={"Retry-After": "5"})
+        return self.engine
+
+    def read_stats(self) -> EngineStats | None:
+        if not self.is_ready:
+            return None
+        try:
+            return self.engine.stats()
+        except Exception:  # a scrape must never fail because of the engine
+            logger.exception("engine.stats() failed")
+            return None
+
+    async def attach(self, engine: ServingEngine) -> None:
+        """Start the engine's loop on this event loop, then route requests to it."""
+        await engine.start()
+        self.engine = engine
+        logger.info("engine ready: serving %s (max_model_len=%d)", self.served_model_name, engine.max_model_len)
+
+    async def abort_all(self) -> None:
+        """Shutdown's grace period is over: stop what still runs; the clients get a shutdown error."""
+        if self.active:
+            logger.warning("aborting %d in-flight request(s) for shutdown", len(self.active))
+        for generation in list(self.active):
+            await generation.abort(server=True)
