@@ -13,7 +13,7 @@ import anyio
 
 from server.api.metrics import Metrics
 from server.engine.protocol import RequestHandle, ServingEngine
-from server.engine.types import ContextLengthExceededError, QueueFullError, SamplingParams, StreamDelta
+from server.engine.types import QueueFullError, SamplingParams, StreamDelta
 
 KEEPALIVE = None  # yielded by Generation.events() when nothing arrived for keepalive_s
 
@@ -29,21 +29,7 @@ class Choice:
     completion_tokens: int = 0
     num_tokens_seen: int = 0
     last_token_at: float | None = None
-
-
-def _submit_one(
-    engine: ServingEngine, prompt: str | list[int], params: SamplingParams, request_id: str, explicit_max: bool
-) -> RequestHandle:
-    try:
-        return engine.submit(prompt, params, request_id=request_id)
-    except ContextLengthExceededError as exc:
-        if explicit_max:
-            raise
-        # No max_tokens given: generate up to the context limit, which needs the prompt length the engine found.
-        room = engine.max_model_len - exc.prompt_len
-        if room < 1:
-            raise ContextLengthExceededError(exc.prompt_len, 1, engine.max_model_len) from None
-        return engine.submit(prompt, replace(params, max_tokens=room), request_id=request_id)
+    ended: bool = False  # no more events will come for this choice
 
 
 async def submit_choices(
@@ -53,7 +39,6 @@ async def submit_choices(
     *,
     n: int,
     request_id: str,
-    explicit_max_tokens: bool,
     max_waiting: int,
 ) -> list[Choice]:
     """Submit n requests per prompt; on any failure the ones already queued are aborted and it re-raises."""
@@ -68,7 +53,7 @@ async def submit_choices(
                 # seeded n>1 choices differ from each other yet stay reproducible
                 choice_params = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
                 rid = request_id if num_new == 1 else f"{request_id}-{len(choices)}"
-                handle = _submit_one(engine, prompt, choice_params, rid, explicit_max_tokens)
+                handle = engine.submit(prompt, choice_params, request_id=rid)
                 choices.append(Choice(len(choices), prompt_index, handle, prompt_tokens=handle.prompt_tokens))
     except BaseException:
         with anyio.CancelScope(shield=True):
@@ -104,6 +89,9 @@ class Generation:
                 self._record_finish(choice, "error")
                 raise payload
             if payload is None:
+                if choice.ended:
+                    continue
+                choice.ended = True
                 remaining -= 1
                 if choice.finish_reason is None:
                     payload = StreamDelta(request_id=getattr(choice.handle, "request_id", ""), text="", token_ids=[])
@@ -177,6 +165,8 @@ class Generation:
             for choice in self.choices:
                 if choice.finish_reason is None:
                     await choice.handle.abort()
+                    # an aborted handle may end without a final delta, or not at all: end it here
+                    self._queue.put_nowait((choice, None))
 
     async def aclose(self) -> None:
         """Idempotent: abort what still runs (client gone or error) and stop the readers."""

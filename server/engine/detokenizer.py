@@ -14,8 +14,8 @@ from server.engine.tokenizer import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context before the first output token (vLLM uses the same 5).
 PROMPT_CONTEXT_TOKENS = 5
-# A UTF-8 character has at most 4 bytes; a window still ending in U+FFFD after this many unread tokens
-# holds genuinely invalid bytes, so it is emitted rather than held (and re-decoded) forever.
+# A UTF-8 character has at most 4 bytes, so at most 4 byte tokens; unread tokens that still end in U+FFFD
+# at every cut after this many hold invalid bytes, not an unfinished character: emit them, never hold forever.
 MAX_HELD_TOKENS = 8
 
 
@@ -64,13 +64,28 @@ class IncrementalDetokenizer:
         if self.read_offset >= len(self.token_ids):
             return ""
         prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset :])
-        num_unread = len(self.token_ids) - self.read_offset
-        if new_text.endswith(REPLACEMENT_CHAR) and not final and num_unread < MAX_HELD_TOKENS:
-            return ""  # the last token(s) end inside a character; wait for the rest of its bytes
+        end = len(self.token_ids)
+        new_text = self._decode(self.token_ids[self.prefix_offset : end])
+        if not final and new_text.endswith(REPLACEMENT_CHAR):
+            end, new_text = self._last_clean_cut()
+            if end is None:
+                return ""  # the unread tokens end inside a character: wait for the rest of its bytes
         self.prefix_offset = self.read_offset
-        self.read_offset = len(self.token_ids)
+        self.read_offset = end
         return new_text[len(prefix_text) :]
+
+    def _last_clean_cut(self) -> tuple[int | None, str]:
+        """The longest run of unread tokens whose text does not end inside a character, so the text before
+        a character split across tokens streams now and only that character waits. After MAX_HELD_TOKENS
+        unread tokens with no clean cut, the bytes are invalid rather than unfinished: emit them all."""
+        num_ids = len(self.token_ids)
+        for end in range(num_ids - 1, max(self.read_offset, num_ids - MAX_HELD_TOKENS), -1):
+            text = self._decode(self.token_ids[self.prefix_offset : end])
+            if not text.endswith(REPLACEMENT_CHAR):
+                return end, text
+        if num_ids - self.read_offset >= MAX_HELD_TOKENS:
+            return num_ids, self._decode(self.token_ids[self.prefix_offset :])
+        return None, ""
 
 
 class StopStringMatcher:

@@ -1,4 +1,5 @@
-"""The synchronous engine: one loop `schedule() -> runner.execute() -> scheduler.update()`.
+"""The engine: one loop `schedule() -> runner.launch() -> scheduler.on_launched()`, then the previous step is
+resolved (`scheduler.on_resolved()`) while the device computes the new one.
 
 `Engine` is what Python users call (`generate`, `chat`, `score`); `AsyncEngine` drives the same `step()`
 from a background thread for the HTTP server.
@@ -77,6 +78,7 @@ class Engine:
         self._outputs: dict[str, _OutputState] = {}
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0
+        self._in_flight = None  # the launched step whose sampled ids have not been read yet
         self._num_generated_tokens = 0
 
     # ---- construction -------------------------------------------------------------------------
@@ -181,21 +183,48 @@ class Engine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     # ---- the loop -----------------------------------------------------------------------------
     def step(self) -> list[StreamDelta]:
+        """Schedule and launch step N+1, then finish step N (read its ids, detokenize, stop checks) while
+        the device computes N+1. On the CPU the launch itself computes, so nothing overlaps there."""
         out = self.scheduler.schedule()
-        if not out.chunks:
-            return []
-        result = self.runner.execute(out)
-        self._collect_logits(result.all_logits)
-        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
-        deltas = []
-        for request in self.scheduler.update(out, sampled):
-            deltas.append(self._process_token(request, result.sampled[request.request_id]))
-        self._num_generated_tokens += len(sampled)
+        deltas: list[StreamDelta] = []
+        if self._in_flight is not None and self._needs_known_tokens(out):
+            deltas += self._complete(self._in_flight)
+            self._in_flight = None
+            out.chunks = [c for c in out.chunks if not c.request.is_finished]
+        launched = None
+        if out.chunks:
+            launched = self.runner.launch(out, self._in_flight)
+            self.scheduler.on_launched(out)
+        if self._in_flight is not None:
+            deltas += self._complete(self._in_flight)
+        self._in_flight = launched
         return deltas
+
+    @staticmethod
+    def _needs_known_tokens(out) -> bool:
+        """Penalties count the previous tokens on the host, so they cannot use a token still in flight."""
+        for chunk in out.chunks:
+            request, params = chunk.request, chunk.request.params
+            if request.num_pending_tokens and (
+                params.repetition_penalty != 1.0 or params.presence_penalty or params.frequency_penalty
+            ):
+                return True
+        return False
+
+    def _complete(self, step) -> list[StreamDelta]:
+        result = step.resolve()
+        for request_id, logits in result.all_logits.items():
+            self._score_logits.setdefault(request_id, []).append(logits)
+        sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
+        self._num_generated_tokens += len(sampled)
+        return [
+            self._process_token(request, result.sampled[request.request_id])
+            for request, _ in self.scheduler.on_resolved(step.out, sampled)
+        ]
 
     def _process_token(self, request: Request, token: SampledToken) -> StreamDelta:
         state = self._outputs[request.request_id]
@@ -231,10 +260,6 @@ class Engine:
             logprobs=logprobs,
         )
 
-    def _collect_logits(self, all_logits: dict[str, torch.Tensor]) -> None:
-        for request_id, logits in all_logits.items():
-            self._score_logits.setdefault(request_id, []).append(logits)
-
     def stats(self) -> EngineStats:
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
@@ -261,13 +286,13 @@ class Engine:
         return self.generate(ChatPrompt(text), params)
 
     def _run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
-        if self.scheduler.has_work:
+        if self.has_unfinished:
             raise RuntimeError("generate() cannot run while the engine serves other requests; use AsyncEngine")
         states = {}
         for request in requests:
             self.add_request(request)
             states[request.request_id] = self._outputs[request.request_id]
-        while self.scheduler.has_work:
+        while self.has_unfinished:
             self.step()
         return [self._final_output(r, states[r.request_id]) for r in requests]
 
@@ -289,6 +314,8 @@ class Engine:
         request.return_all_logits = True
         self.add_request(request)
         while request.num_computed_tokens < request.num_tokens:
+            self.step()
+        while self._in_flight is not None:
             self.step()
         self.scheduler.finish(request, "stop")
         self._outputs.pop(request.request_id, None)

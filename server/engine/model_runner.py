@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from server.engine.request import Request
+from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
+from server.kernels.streams import DeviceStreams, PendingCopy
 from server.models.base import AttentionMetadata
 
 
@@ -25,6 +26,35 @@ class SampledToken:
 class StepResult:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
     all_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> [num_tokens, vocab] fp32
+
+
+@dataclass
+class InFlightStep:
+    """A launched step: its device outputs and the host copies in progress."""
+
+    out: SchedulerOutput
+    sample_chunks: list[ScheduledChunk]
+    sample_rows: dict[str, int]  # request id -> row of `token_ids`
+    token_ids: torch.Tensor | None  # [num_samples] int64 on the device (feeds the next step)
+    copies: dict[str, PendingCopy]
+    all_logits: dict[str, torch.Tensor]
+
+    def resolve(self) -> StepResult:
+        """Wait for this step's host copies: the one read of its sampled ids."""
+        result = StepResult(all_logits={k: v.cpu() for k, v in self.all_logits.items()})
+        if not self.sample_chunks:
+            return result
+        host = {name: copy.wait().tolist() for name, copy in self.copies.items()}
+        for i, chunk in enumerate(self.sample_chunks):
+            token = SampledToken(host["token_ids"][i])
+            num_top = chunk.request.params.logprobs
+            if num_top is not None and "logprobs" in host:
+                token.logprob = host["logprobs"][i]
+                if num_top and "top_ids" in host:
+                    token.top_ids = host["top_ids"][i][:num_top]
+                    token.top_logprobs = host["top_logprobs"][i][:num_top]
+            result.sampled[chunk.request.request_id] = token
+        return result
 
 
 class KVCache:
@@ -52,24 +82,40 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
+        self.streams = DeviceStreams(device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
+        """Queue the step's device work and the copy of its sampled ids to the host; returns at once on an
+        accelerator. Tokens still on the device from `prev` are fed by a device-side gather, not a host read."""
         chunks = out.chunks
-        input_ids, positions, meta, sample_index, logit_ranges = self._prepare(chunks)
+        input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
+        if pending:
+            assert prev is not None and prev.token_ids is not None, "placeholder without an in-flight step"
+            dest = torch.tensor([i for i, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
+            rows = torch.tensor([prev.sample_rows[rid] for _, rid in pending], dtype=torch.int64)
+            input_ids.index_copy_(0, dest, prev.token_ids[rows.to(self.device, non_blocking=True)])
         hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
-        result = StepResult()
-        for request_id, (start, end) in logit_ranges.items():
-            result.all_logits[request_id] = self.model.compute_logits(hidden[start:end])
+        all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
         sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
+        step = InFlightStep(out, sample_chunks, {}, None, {}, all_logits)
         if sample_chunks:
             logits = self.model.compute_logits(hidden[sample_index])  # [num_samples, vocab]
             batch = sampling.build_sampling_batch(
                 [_sampling_row(c.request) for c in sample_chunks], self.vocab_size, self.device
             )
             sampled = sampling.sample(logits, batch)
-            result.sampled = _to_host(sample_chunks, sampled)
-        return result
+            step.token_ids = sampled.token_ids
+            step.sample_rows = {c.request.request_id: i for i, c in enumerate(sample_chunks)}
+            for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+                value = getattr(sampled, name)
+                if value is not None:
+                    step.copies[name] = self.streams.copy_to_host(value)
+        return step
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Launch and wait: the synchronous form of one step."""
+        return self.launch(out).resolve()
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         block_size = self.kv_cache.block_size
@@ -85,6 +131,7 @@ class ModelRunner:
         query_pos = [[0] * max_q_len for _ in range(num_seqs)]
         block_tables = [[0] * max_blocks for _ in range(num_seqs)]
         sample_index: list[int] = []
+        pending: list[tuple[int, str]] = []  # (flat index, request id) of tokens still on the device
         logit_ranges: dict[str, tuple[int, int]] = {}
         for row, chunk in enumerate(chunks):
             request = chunk.request
@@ -93,7 +140,11 @@ class ModelRunner:
                 pos = chunk.start + col
                 query_index[row][col] = len(input_ids)
                 query_pos[row][col] = pos
-                input_ids.append(request.token_ids[pos])
+                token_id = request.token_ids[pos]
+                if token_id == PLACEHOLDER:
+                    pending.append((len(input_ids), request.request_id))
+                    token_id = 0
+                input_ids.append(token_id)
                 positions.append(pos)
                 slots.append(request.block_ids[pos // block_size] * block_size + pos % block_size)
                 rows.append(row)
@@ -116,7 +167,7 @@ class ModelRunner:
             token_rows=tensor(rows),
             token_cols=tensor(cols),
         )
-        return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges
+        return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges, pending
 
 
 def _sampling_row(request: Request) -> sampling.SamplingRow:
@@ -136,22 +187,3 @@ def _sampling_row(request: Request) -> sampling.SamplingRow:
         output_token_ids=request.output_token_ids,
         num_logprobs=params.logprobs,
     )
-
-
-def _to_host(chunks: list[ScheduledChunk], sampled) -> dict[str, SampledToken]:
-    """The one read of the step's sampled ids (plus logprobs when any request asked for them)."""
-    token_ids = sampled.token_ids.tolist()
-    logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
-    top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-    top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-    result = {}
-    for i, chunk in enumerate(chunks):
-        token = SampledToken(token_ids[i])
-        num_top = chunk.request.params.logprobs
-        if num_top is not None and logprobs is not None:
-            token.logprob = logprobs[i]
-            if num_top and top_ids is not None:
-                token.top_ids = top_ids[i][:num_top]
-                token.top_logprobs = top_logprobs[i][:num_top]
-        result[chunk.request.request_id] = token
-    return result

@@ -8,6 +8,9 @@ from enum import Enum
 from server.engine.types import SamplingParams
 
 
+PLACEHOLDER = -1  # a sampled token whose value is still on the device
+
+
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -31,6 +34,7 @@ class Request:
     finish_reason: str | None = None
     return_all_logits: bool = False  # score(): logits of every position, not only the last
     num_preemptions: int = 0
+    num_pending_tokens: int = 0  # sampled tokens whose step has not resolved yet (PLACEHOLDER in token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from server.engine.block_allocator import BlockAllocator, chain_hash
-from server.engine.request import Request, RequestStatus
+from server.engine.request import PLACEHOLDER, Request, RequestStatus
 from server.engine.types import FinishReason
 
 
@@ -68,6 +68,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.num_tokens >= request.max_total_tokens:
+                i += 1  # its last token is sampled (in flight): it finishes when that step resolves
+                continue
             if not self._reserve_or_preempt(request, num_new, out):
                 continue  # `request` itself was preempted; the list shrank
             out.chunks.append(self._chunk(request, num_new))
@@ -75,6 +78,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token still in flight: recompute once it is known
             if not request.block_ids:
                 self._match_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -125,37 +130,50 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Record a finished step: computed tokens, sampled tokens, newly full blocks. Returns the requests
-        that received a token this step (finished ones included, with finish_reason set)."""
+    def on_launched(self, out: SchedulerOutput) -> None:
+        """The step is queued on the device: count its tokens as computed and give each sampling request a
+        placeholder token, so the next step can be scheduled before this one's ids reach the host."""
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.sample and not request.return_all_logits:
+                request.token_ids.append(PLACEHOLDER)
+                request.num_pending_tokens += 1
+
+    def on_resolved(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[tuple[Request, int]]:
+        """The step's sampled ids reached the host: fill the placeholders, publish newly full blocks, finish
+        requests that hit a stop id or their length. Returns (request, token) for each live request."""
         updated = []
         for chunk in out.chunks:
             request = chunk.request
+            token_id = sampled.get(request.request_id)
+            if token_id is None or not chunk.sample:
+                continue
+            index = chunk.start + chunk.num_tokens  # where this step's placeholder sits
+            request.num_pending_tokens -= 1
             if request.is_finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += chunk.num_tokens
+                continue  # aborted or stopped while the step ran: the token is discarded
+            request.token_ids[index] = token_id
             self._register_full_blocks(request)
-            if chunk.sample and request.request_id in sampled:
-                token_id = sampled[request.request_id]
-                request.token_ids.append(token_id)
-                updated.append(request)
-                self._check_finished(request, token_id)
+            updated.append((request, token_id))
+            if token_id in request.stop_token_ids:
+                self._finish_at(request, index, FinishReason.STOP.value)
+            elif index + 1 >= request.max_total_tokens:
+                self._finish_at(request, index, FinishReason.LENGTH.value)
         return updated
+
+    def _finish_at(self, request: Request, index: int, reason: str) -> None:
+        del request.token_ids[index + 1 :]  # drop a placeholder already queued for the next step
+        self.finish(request, reason)
 
     def _register_full_blocks(self, request: Request) -> None:
         size = self.allocator.block_size
-        num_full = request.num_computed_tokens // size
+        num_full = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens) // size
         for i in range(len(request.block_hashes), num_full):
             parent = request.block_hashes[-1] if request.block_hashes else None
             block_hash = chain_hash(parent, request.token_ids[i * size : (i + 1) * size])
             request.block_hashes.append(block_hash)
             self.allocator.register_full_block(request.block_ids[i], block_hash)
-
-    def _check_finished(self, request: Request, token_id: int) -> None:
-        if token_id in request.stop_token_ids:
-            self.finish(request, FinishReason.STOP.value)
-        elif request.num_tokens >= request.max_total_tokens:
-            self.finish(request, FinishReason.LENGTH.value)
 
     def finish(self, request: Request, reason: str) -> None:
         """End a request now (stop, length or abort) and free its blocks at once."""

@@ -19,7 +19,8 @@ def make_request(rid: str, num_prompt: int, max_tokens: int = 8, tokens=None) ->
 def run_step(sched: Scheduler, token: int = 7):
     out = sched.schedule()
     sampled = {c.request.request_id: token for c in out.chunks if c.sample}
-    sched.update(out, sampled)
+    sched.on_launched(out)
+    sched.on_resolved(out, sampled)
     return out
 
 
@@ -77,7 +78,8 @@ def test_prefix_blocks_are_shared_and_hashes_chain():
     out = sched.schedule()
     assert out.chunks[0].start == 8 and out.chunks[0].request.num_cached_tokens == 8
     # Same tokens at another offset do not match: hashes are chained to the prefix.
-    sched.update(out, {"b": 1})
+    sched.on_launched(out)
+    sched.on_resolved(out, {"b": 1})
     sched.add(make_request("c", 0, tokens=[5] + prompt, max_tokens=1))
     assert sched.schedule().chunks[0].start == 0
 
@@ -103,3 +105,38 @@ def test_eviction_reuses_freed_cached_blocks_lru():
     new = alloc.allocate()  # evicts the least recently freed (the tail was freed first)
     assert new == ids[-1] and alloc.block_hashes[new] is None
     assert bytes([3]) * 16 not in alloc.cached and bytes([0]) * 16 in alloc.cached
+
+
+def test_pipelined_steps_fill_placeholders_and_drop_the_token_after_a_stop():
+    """Step N+1 is scheduled before step N's token is known; a stop at N discards N+1's token."""
+    alloc = BlockAllocator(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    request = make_request("a", 6, max_tokens=10)
+    request.stop_token_ids = frozenset({5})
+    sched.add(request)
+    out1 = sched.schedule()
+    sched.on_launched(out1)
+    assert request.token_ids[-1] == -1 and request.num_pending_tokens == 1
+    out2 = sched.schedule()  # scheduled with the placeholder as input
+    assert out2.chunks[0].start == 6 and out2.chunks[0].num_tokens == 1
+    sched.on_launched(out2)
+    assert sched.on_resolved(out1, {"a": 9}) == [(request, 9)]
+    assert request.token_ids[6] == 9 and request.token_ids[7] == -1
+    out3 = sched.schedule()
+    sched.on_launched(out3)
+    sched.on_resolved(out2, {"a": 5})  # a stop id: finish now, the token of out3 is discarded
+    assert request.is_finished and request.finish_reason == "stop"
+    assert request.output_token_ids == [9, 5] and alloc.num_used == 0
+    assert sched.on_resolved(out3, {"a": 1}) == []
+
+
+def test_last_allowed_token_in_flight_is_not_scheduled_again():
+    alloc = BlockAllocator(num_blocks=16, block_size=4)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    request = make_request("a", 5, max_tokens=1)
+    sched.add(request)
+    out = sched.schedule()
+    sched.on_launched(out)
+    assert sched.schedule().chunks == []
+    sched.on_resolved(out, {"a": 3})
+    assert request.finish_reason == "length" and request.output_token_ids == [3]

@@ -1,0 +1,61 @@
+"""create_app(engine, server_config) -> FastAPI.
+
+The app can start without an engine (run_server loads the model after the socket is up, so /health answers
+503 meanwhile); `ServingState.attach` hands it one later. The lifespan starts a given engine and shuts down
+whichever engine is attached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from server.api.errors import install_error_handlers
+from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware
+from server.api.routes import router
+from server.api.state import ServingState
+from server.config import ServerConfig
+from server.engine.protocol import ServingEngine
+
+
+def create_app(
+    engine: ServingEngine | None, server_config: ServerConfig, *, model_name: str | None = None
+) -> FastAPI:
+    """`model_name` (the MODEL argument) names the served model before the engine exists."""
+    state = ServingState(server_config, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if engine is not None:
+            await state.attach(engine)
+        try:
+            yield
+        finally:
+            if state.engine is not None:
+                await state.engine.shutdown()
+
+    app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serving = state
+    install_error_handlers(app)
+    app.include_router(router)
+    # add_middleware puts each new one outermost: auth, then CORS around it (so 401s carry CORS headers
+    # and preflights pass), then status counting around everything.
+    if server_config.api_key:
+        app.add_middleware(AuthMiddleware, api_key=server_config.api_key)
+    if server_config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(server_config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
+    app.add_middleware(StatusMetricsMiddleware, metrics=state.metrics)
+    return app
+
+
+def serving_state(app: FastAPI) -> ServingState:
+    return app.state.serving

@@ -1,0 +1,175 @@
+"""A scripted engine implementing server.engine.protocol.ServingEngine, for API tests without a model.
+
+A `Script` says what the next requests stream: text pieces (one token each), delays, a gate the first token
+waits for, an error after k pieces. The engine records prompts, params, renders and aborts, and draws fresh
+random logprobs (kept in `emitted_logprobs`) so tests compare the wire output against what it produced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from server.engine.types import (
+    ContextLengthExceededError,
+    EngineStats,
+    SamplingParams,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+
+
+@dataclass
+class Script:
+    pieces: list[str] = field(default_factory=lambda: ["Hello", ",", " world", "!"])
+    delay_s: float = 0.0  # before each piece
+    gate: threading.Event | None = None  # the first piece waits until it is set
+    error_after: int | None = None  # raise after this many pieces
+    finish_reason: str = "stop"
+    cached_tokens: int = 0
+    abort_yields_final: bool = True  # after abort(): one final "abort" delta, or just end
+
+
+class FakeHandle:
+    def __init__(self, engine: FakeEngine, request_id: str, script: Script, params: SamplingParams, prompt_tokens: int):
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._engine = engine
+        self._script = script
+        self._params = params
+        self._aborted = asyncio.Event()
+        self._finished = False
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._run()
+
+    async def abort(self) -> None:
+        if not self._aborted.is_set() and not self._finished:
+            self._engine.aborted.append(self.request_id)
+        self._aborted.set()
+
+    async def _wait(self, delay_s: float) -> bool:
+        """Sleep; True when aborted meanwhile."""
+        try:
+            await asyncio.wait_for(self._aborted.wait(), delay_s)
+        except asyncio.TimeoutError:
+            pass
+        return self._aborted.is_set()
+
+    async def _run(self) -> AsyncIterator[StreamDelta]:
+        engine, script, params = self._engine, self._script, self._params
+        engine.running.add(self.request_id)
+        try:
+            if script.gate is not None:
+                while not script.gate.is_set() and not self._aborted.is_set():
+                    await self._wait(0.005)
+            num_pieces = min(len(script.pieces), params.max_tokens)
+            for i in range(num_pieces):
+                if await self._wait(script.delay_s):
+                    break
+                if script.error_after is not None and i >= script.error_after:
+                    raise RuntimeError("scripted engine failure")
+                last = i == num_pieces - 1
+                finish = None
+                if last:
+                    finish = "length" if len(script.pieces) > params.max_tokens else script.finish_reason
+                self._finished = last
+                yield self._delta(i, script.pieces[i], finish)
+            else:
+                if num_pieces == 0:
+                    self._finished = True
+                    yield self._delta(0, "", script.finish_reason)
+                return
+            if script.abort_yields_final:
+                yield StreamDelta(self.request_id, "", [], finish_reason="abort", prompt_tokens=self.prompt_tokens)
+        finally:
+            engine.running.discard(self.request_id)
+
+    def _delta(self, i: int, text: str, finish: str | None) -> StreamDelta:
+        token_ids = [1000 + i] if text or finish is None else []
+        logprobs = None
+        if self._params.logprobs is not None and token_ids:
+            rng = self._engine.rng
+            top = [TopLogprob(2000 + k, f"t{k}", -rng.random() * 5) for k in range(self._params.logprobs)]
+            logprobs = [TokenLogprob(token_ids[0], text, -rng.random() * 5, top)]
+            self._engine.emitted_logprobs.setdefault(self.request_id, []).extend(logprobs)
+        return StreamDelta(
+            self.request_id, text, token_ids, finish_reason=finish, prompt_tokens=self.prompt_tokens,
+            completion_tokens=i + 1 if token_ids else i, cached_tokens=self._script.cached_tokens, logprobs=logprobs,
+        )
+
+
+class FakeEngine:
+    """Prompt tokens = whitespace-separated words (or the ids given); the chat template is a readable toy."""
+
+    def __init__(self, script: Script | None = None, *, max_model_len: int = 4096, model_name: str = "fake-model"):
+        self.script = script or Script()
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = 5000
+        self.submit_error: Exception | None = None
+        self.num_waiting = 0
+        self.stats_calls = 0
+        self.started = self.shut_down = False
+        self.submitted: list[tuple[str, str | list[int], SamplingParams]] = []
+        self.rendered: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+        self.emitted_logprobs: dict[str, list[TokenLogprob]] = {}
+        self.rng = random.Random()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.started and not self.shut_down
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        self.rendered.append({"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                              "kwargs": template_kwargs})
+        lines = [f"<|{m['role']}|> {m['content']}" for m in messages]
+        if tools:
+            lines.insert(0, "<|tools|> " + json.dumps(tools))
+        prompt = "\n".join(lines)
+        if add_generation_prompt:
+            prompt += "\n<|assistant|>"
+            if template_kwargs.get("enable_thinking"):
+                prompt += " <think>\n"
+        return prompt
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
+        params.validate(self.vocab_size)
+        prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+        if prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(prompt_tokens, params.max_tokens, self.max_model_len)
+        if self.submit_error is not None:
+            raise self.submit_error
+        request_id = request_id or f"fake-{len(self.submitted)}"
+        self.submitted.append((request_id, prompt, params))
+        return FakeHandle(self, request_id, self.script, params, prompt_tokens)
+
+    async def stream(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        handle = self.submit(prompt, params, request_id)
+        try:
+            async for delta in handle:
+                yield delta
+        finally:
+            await handle.abort()
+
+    def stats(self) -> EngineStats:
+        self.stats_calls += 1
+        used = 3 * len(self.running)
+        return EngineStats(num_waiting=self.num_waiting, num_running=len(self.running), kv_blocks_used=used,
+                           kv_blocks_free=100 - used, prefix_cache_hit_tokens=7 * len(self.submitted))
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.shut_down = True
