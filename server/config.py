@@ -22,7 +22,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # None: a fraction of free device memory
     kv_cache_memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
-    compile: str = "auto"  # auto | on | off
+    compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step
+    cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
     revision: str | None = None
 
 

@@ -23,9 +23,9 @@ logger = logging.getLogger("mps_serve.api")
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
-    401: "authentication_error",
+    401: "invalid_request_error",  # OpenAI: code "invalid_api_key"
     403: "permission_error",
-    404: "not_found_error",
+    404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -84,14 +84,12 @@ async def _start(
     *,
     n: int,
     request_id: str,
-    explicit_max_tokens: bool,
     started_at: float,
     prompt_param: str,
 ) -> Generation:
     try:
         choices = await submit_choices(
-            engine, prompts, params, n=n, request_id=request_id,
-            explicit_max_tokens=explicit_max_tokens, max_waiting=state.config.max_waiting_requests,
+            engine, prompts, params, n=n, request_id=request_id, max_waiting=state.config.max_waiting_requests,
         )
     except Exception as exc:
         err = from_engine_error(exc)
@@ -149,7 +147,7 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await _start(
         state, engine, [prompt], params, n=req.n, request_id=request_id, started_at=started_at,
-        explicit_max_tokens=req.requested_max_tokens is not None, prompt_param="messages",
+        prompt_param="messages",
     )
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
@@ -177,7 +175,7 @@ async def completions(request: Request) -> Response:
     request_id = f"cmpl-{uuid.uuid4().hex}"
     generation = await _start(
         state, engine, prompts, params, n=req.n, request_id=request_id, started_at=started_at,
-        explicit_max_tokens=req.max_tokens is not None, prompt_param="prompt",
+        prompt_param="prompt",
     )
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,

@@ -25,8 +25,9 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_reserved: int = 0):
+        """Blocks `0 .. num_reserved-1` are never handed out (the decode graphs point padded rows at block 0)."""
+        if num_blocks - num_reserved < 1:
             raise ValueError("the KV cache needs at least one block; raise the KV memory budget")
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -35,7 +36,8 @@ class BlockAllocator:
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id of a full block with that content
         # Blocks with no owner, oldest first. Those with a hash are still reusable by prefix match.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_reserved, num_blocks))
+        self.num_usable = num_blocks - num_reserved
 
     @property
     def num_free(self) -> int:
@@ -43,7 +45,7 @@ class BlockAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_usable - len(self.free_blocks)
 
     def allocate(self) -> int:
         if not self.free_blocks:

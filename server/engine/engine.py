@@ -19,10 +19,12 @@ import torch
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
+from server.engine.decode_graphs import DecodeGraphs
 from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine.model_runner import KVCache, ModelRunner, SampledToken
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.state_cache import StateCache, StateSlots
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     ChatPrompt,
@@ -68,13 +70,15 @@ class Engine:
         self.model_name = model_name
         self.vocab_size = model.args.vocab_size
         shapes = model.kv_cache_shapes()
+        self.state_cache, state_slots = self._state_pool()  # hybrids only; its bytes come off the KV budget
         num_blocks = self._num_kv_blocks(shapes)
-        self.kv_cache = KVCache(shapes, num_blocks, config.block_size, dtype, device)
-        self.allocator = BlockAllocator(num_blocks, config.block_size, config.enable_prefix_caching)
+        # One more block than the budget's: block 0 is the scratch target of padded decode rows.
+        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
+        self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
         )
-        self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size)
+        self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size, self._decode_graphs(), self.state_cache)
         self._outputs: dict[str, _OutputState] = {}
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0
@@ -117,17 +121,42 @@ class Engine:
         max_model_len = min(config.max_model_len or limit, limit)
         return cls(model, tokenizer, config, torch_device, dtype, max_model_len, config.model)
 
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The compiled decode step: on by default on GPU backends, off on the CPU (tests switch it on)."""
+        mode = self.config.compile
+        if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
+            return None
+        if self.state_cache is not None:
+            log.info("hybrid model: the decode step runs eagerly (the compiled decode graph has no state slots yet)")
+            return None
+        blocks_per_seq = -(-self.max_model_len // self.config.block_size)
+        graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
+        return DecodeGraphs(self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs)
+
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config
         per_block = KVCache.bytes_per_block(shapes, config.block_size, self.dtype)
         budget = config.kv_cache_memory_bytes
         if budget is None:
             budget = int(device_mod.free_memory_bytes(self.device) * config.kv_cache_memory_fraction)
+        budget -= self._state_bytes
         blocks_per_seq = -(-self.max_model_len // config.block_size)
         num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq and num_blocks < 2:
             raise ValueError(f"the KV memory budget ({budget} bytes) holds no KV block of {per_block} bytes")
         return int(num_blocks)
+
+    def _state_pool(self) -> tuple[StateCache | None, StateSlots | None]:
+        """Hybrid models: per-sequence states, one live slot per running sequence plus as many block-boundary
+        snapshots (prefix reuse of a conversation's states) when prefix caching is on."""
+        self._state_bytes = 0
+        if not hasattr(self.model, "state_shapes"):
+            return None, None
+        specs = self.model.state_shapes()
+        num_snapshots = self.config.max_num_seqs if self.config.enable_prefix_caching else 0
+        slots = StateSlots(self.config.max_num_seqs, num_snapshots, self.config.block_size)
+        self._state_bytes = StateCache.bytes_per_slot(specs, self.dtype) * slots.num_slots
+        return StateCache(specs, slots.num_slots, self.dtype, self.device), slots
 
     @property
     def weight_bytes(self) -> int:

@@ -77,7 +77,9 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs=None, state_cache=None):
+        self.decode_graphs = decode_graphs  # DecodeGraphs, or None for the eager path
+        self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -89,18 +91,17 @@ class ModelRunner:
         """Queue the step's device work and the copy of its sampled ids to the host; returns at once on an
         accelerator. Tokens still on the device from `prev` are fed by a device-side gather, not a host read."""
         chunks = out.chunks
-        input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
-        if pending:
-            assert prev is not None and prev.token_ids is not None, "placeholder without an in-flight step"
-            dest = torch.tensor([i for i, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
-            rows = torch.tensor([prev.sample_rows[rid] for _, rid in pending], dtype=torch.int64)
-            input_ids.index_copy_(0, dest, prev.token_ids[rows.to(self.device, non_blocking=True)])
-        hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
-        all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
         sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
-        step = InFlightStep(out, sample_chunks, {}, None, {}, all_logits)
+        step = InFlightStep(out, sample_chunks, {}, None, {}, {})
+        if self.decode_graphs is not None and self._is_plain_decode(chunks):
+            logits = self._decode(chunks, prev)
+        else:
+            input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
+            self._feed_pending(input_ids, pending, prev)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
+            step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
+            logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:
-            logits = self.model.compute_logits(hidden[sample_index])  # [num_samples, vocab]
             batch = sampling.build_sampling_batch(
                 [_sampling_row(c.request) for c in sample_chunks], self.vocab_size, self.device
             )
@@ -112,6 +113,41 @@ class ModelRunner:
                 if value is not None:
                     step.copies[name] = self.streams.copy_to_host(value)
         return step
+
+    def _feed_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]], prev: InFlightStep | None) -> None:
+        """Copy tokens sampled by the in-flight step into this step's inputs, on the device."""
+        if not pending:
+            return
+        assert prev is not None and prev.token_ids is not None, "placeholder without an in-flight step"
+        dest = torch.tensor([i for i, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = torch.tensor([prev.sample_rows[rid] for _, rid in pending], dtype=torch.int64)
+        input_ids.index_copy_(0, dest, prev.token_ids[rows.to(self.device, non_blocking=True)])
+
+    def _is_plain_decode(self, chunks: list[ScheduledChunk]) -> bool:
+        return len(chunks) <= self.decode_graphs.batch_sizes[-1] and all(
+            c.num_tokens == 1 and c.sample and not c.request.return_all_logits for c in chunks
+        )
+
+    def _decode(self, chunks: list[ScheduledChunk], prev: InFlightStep | None) -> torch.Tensor:
+        """One token per sequence through the compiled (and, on CUDA, graph-captured) step."""
+        block_size = self.kv_cache.block_size
+        num_blocks = max(c.start // block_size + 1 for c in chunks)
+        padded_seqs, padded_blocks = self.decode_graphs.padded_shape(len(chunks), num_blocks)
+        input_ids, positions, slots = [0] * padded_seqs, [0] * padded_seqs, [0] * padded_seqs
+        tables = [[0] * padded_blocks for _ in range(padded_seqs)]
+        pending = []
+        for row, chunk in enumerate(chunks):
+            request, pos = chunk.request, chunk.start
+            token_id = request.token_ids[pos]
+            if token_id == PLACEHOLDER:
+                pending.append((row, request.request_id))
+            input_ids[row] = max(token_id, 0)
+            positions[row] = pos
+            slots[row] = request.block_ids[pos // block_size] * block_size + pos % block_size
+            tables[row][: pos // block_size + 1] = request.block_ids[: pos // block_size + 1]
+        inputs = [torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True) for v in (input_ids, positions, slots, tables)]
+        self._feed_pending(inputs[0], pending, prev)
+        return self.decode_graphs.run(inputs)[: len(chunks)]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Launch and wait: the synchronous form of one step."""
@@ -167,6 +203,8 @@ class ModelRunner:
             token_rows=tensor(rows),
             token_cols=tensor(cols),
         )
+        if self.state_cache is not None:  # hybrids: snapshot copies / resets, then the rows' state slots
+            self.state_cache.prepare(chunks, meta)
         return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges, pending
 
 

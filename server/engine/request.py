@@ -35,6 +35,7 @@ class Request:
     return_all_logits: bool = False  # score(): logits of every position, not only the last
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # sampled tokens whose step has not resolved yet (PLACEHOLDER in token_ids)
+    state_slot: int | None = None  # hybrid models: this sequence's live slot in the state pool
 
     @property
     def num_tokens(self) -> int:

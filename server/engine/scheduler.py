@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from server.engine.block_allocator import BlockAllocator, chain_hash
 from server.engine.request import PLACEHOLDER, Request, RequestStatus
 from server.engine.types import FinishReason
+
+if TYPE_CHECKING:
+    from server.engine.state_cache import StateSlots
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class ScheduledChunk:
     start: int  # position of the first token computed in this step
     num_tokens: int
     sample: bool  # the chunk reaches the last known token: sample the next one
+    state_restore: int | None = None  # hybrids: state snapshot slot copied into the live slot first
+    state_save: int | None = None  # hybrids: snapshot slot the live state is copied to before the step
 
 
 @dataclass
@@ -43,9 +49,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator):
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, state_slots: StateSlots | None = None):
         self.config = config
         self.allocator = allocator
+        self.state_slots = state_slots  # hybrid models: per-sequence state slots and snapshots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,6 +93,8 @@ class Scheduler:
             if not self._reserve(request, num_new):
                 break
             self.waiting.popleft()
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.admit()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
@@ -94,12 +103,22 @@ class Scheduler:
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         end = request.num_computed_tokens + num_new
-        return ScheduledChunk(request, request.num_computed_tokens, num_new, sample=end == request.num_tokens)
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, sample=end == request.num_tokens)
+        if self.state_slots is not None:
+            self._register_full_blocks(request)  # a block-boundary state snapshot is keyed by its hash
+            chunk.state_restore, chunk.state_save = self.state_slots.plan(
+                request.request_id, request.block_hashes, chunk.start
+            )
+        return chunk
 
     def _match_prefix(self, request: Request) -> None:
         if request.return_all_logits:
             return  # scoring needs the logits of every position, so nothing may be skipped
         block_ids, hashes = self.allocator.match_prefix(request.token_ids)
+        if self.state_slots is not None:  # hybrids reuse KV only up to a block whose state snapshot exists
+            keep = self.state_slots.match(request.request_id, hashes)
+            self.allocator.free(block_ids[keep:])
+            block_ids, hashes = block_ids[:keep], hashes[:keep]
         request.block_ids, request.block_hashes = block_ids, hashes
         request.num_computed_tokens = len(block_ids) * self.allocator.block_size
         if request.num_preemptions == 0:
@@ -123,6 +142,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._release_state(request)
         self.allocator.free(request.block_ids)
         request.block_ids, request.block_hashes = [], []
         request.num_computed_tokens = 0
@@ -183,11 +203,17 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        self._release_state(request)
         self.allocator.free(request.block_ids)
         request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
+
+    def _release_state(self, request: Request) -> None:
+        if self.state_slots is not None:
+            self.state_slots.release(request.request_id, request.state_slot)
+            request.state_slot = None
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

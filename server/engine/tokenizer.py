@@ -90,7 +90,9 @@ class Tokenizer:
         for name in ("generation_config.json", "config.json"):
             data = _read_json(model_dir / name)
             eos_ids.update(_id_list(data.get("eos_token_id")))
-            eos_ids.update(_id_list(data.get("text_config", {}).get("eos_token_id")))
+            text_config = data.get("text_config")
+            if isinstance(text_config, dict):  # multimodal checkpoints keep the language model's ids here
+                eos_ids.update(_id_list(text_config.get("eos_token_id")))
         return cls(backend, special_tokens, _load_chat_template(model_dir, config), frozenset(eos_ids))
 
     # ------------------------------------------------------------------ text <-> ids
@@ -107,14 +109,24 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (OpenAI's logprobs `bytes`); b"" for an unknown id."""
-        token = self.backend.id_to_token(token_id) if token_id >= 0 else None
+        try:
+            token_id = int(token_id)
+            token = self.backend.id_to_token(token_id) if token_id >= 0 else None
+        except (TypeError, ValueError, OverflowError):
+            token = None
         if token is None:
             return b""
-        if token_id in self.special_token_ids or not self._byte_level:
-            return _byte_fallback(token) or self.decode([token_id]).encode("utf-8")
-        if all(c in self._unicode_to_byte for c in token):
-            return bytes(self._unicode_to_byte[c] for c in token)
-        return self.decode([token_id]).encode("utf-8")  # an added token stored as plain text
+        if self._byte_level and token_id not in self.special_token_ids:
+            if all(c in self._unicode_to_byte for c in token):
+                return bytes(self._unicode_to_byte[c] for c in token)
+            return self.decode([token_id]).encode("utf-8")  # an added token stored as plain text
+        raw = _byte_fallback(token)
+        if raw is not None:
+            return raw
+        text = self.decode([token_id])
+        if token.startswith("\u2581") and not text.startswith(" "):
+            text = " " + text  # SentencePiece decoders drop the space of a string's first word
+        return text.encode("utf-8")
 
     def token_text(self, token_id: int) -> str:
         """Display string of one token, for logprobs. A token holding part of a UTF-8 character is shown
@@ -167,7 +179,11 @@ class Tokenizer:
         documents = variables.pop("documents", None)
         try:
             return template.render(
-                messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt, **variables
+                messages=chat,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"The chat template rejected this request: {exc}", param="messages") from exc

@@ -100,6 +100,7 @@ class WeightLoader:
     def __init__(self, model: nn.Module):
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.params.update(_persistent_buffers(model))  # e.g. LFM2's fp32 expert_bias
         self.filled: set[tuple[str, Any]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -151,7 +152,7 @@ class WeightLoader:
 
     def check_complete(self) -> None:
         missing = []
-        for param_name, param in self.model.named_parameters():
+        for param_name, param in [*self.model.named_parameters(), *_persistent_buffers(self.model).items()]:
             for key, ckpt_name in self._expected_pieces(param_name):
                 if (param_name, key) not in self.filled:
                     missing.append(ckpt_name)
@@ -170,6 +171,16 @@ class WeightLoader:
             projs = [0, 1] if leaf == "gate_up_proj" else [2]
             return [((e, p), f"{module_name}.{e}.{names[p]}.weight") for e in range(module.num_experts) for p in projs]
         return [(None, param_name)]
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers saved in checkpoints (not e.g. rotary inv_freq, registered non-persistent)."""
+    found = {}
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                found[_join(module_name, name)] = buf
+    return found
 
 
 def _join(*parts: str) -> str:
@@ -194,7 +205,11 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
     with torch.no_grad():
         for name, tensor in iter_checkpoint(safetensors_files(model_dir)):
             mapped = model.sanitize(name)
-            if mapped is not None:
-                loader.load(mapped, tensor)
+            if mapped is None:
+                continue
+            # A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections).
+            split = getattr(model, "split_tensor", None)
+            for piece_name, piece in split(mapped, tensor) if split else [(mapped, tensor)]:
+                loader.load(piece_name, piece)
     loader.check_complete()
     return model.eval(), config

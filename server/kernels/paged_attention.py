@@ -22,6 +22,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
     """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V."""
+    if meta.is_decode and torch.compiler.is_compiling():
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
     num_seqs, max_blocks = meta.block_tables.shape
     block_size = k_cache.shape[1]
     q_pad = q[meta.query_index].transpose(1, 2)  # [num_seqs, heads, max_q_len, head_dim]
@@ -40,3 +42,29 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         k = k.repeat_interleave(num_groups, dim=1)
         v = v.repeat_interleave(num_groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, heads, head_dim]: one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks]
+    positions: torch.Tensor,  # [num_seqs]: the query's position; keys 0..position are visible
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention written as broadcast-multiply-and-reduce over the block-table gather, so that
+    torch.compile fuses the gather into the reductions and never materializes a sequence's KV copy.
+    (Eager, this form would materialize large products: the eager path uses SDPA instead.)"""
+    num_seqs, heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    groups = heads // num_kv_heads
+    max_kv_len = block_tables.shape[1] * k_cache.shape[1]
+    keys = k_cache[block_tables].view(num_seqs, max_kv_len, num_kv_heads, 1, head_dim)
+    values = v_cache[block_tables].view(num_seqs, max_kv_len, num_kv_heads, 1, head_dim)
+    q_g = q.view(num_seqs, 1, num_kv_heads, groups, head_dim).float()
+    scores = (q_g * keys.float()).sum(-1) * scale  # [num_seqs, max_kv_len, kv_heads, groups]
+    visible = torch.arange(max_kv_len, device=q.device)[None, :] <= positions[:, None]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=1)
+    out = (probs[..., None] * values.float()).sum(1)  # [num_seqs, kv_heads, groups, head_dim]
+    return out.view(num_seqs, heads, head_dim).to(q.dtype)

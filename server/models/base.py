@@ -48,6 +48,11 @@ class AttentionMetadata:
     query_positions: torch.Tensor  # [num_seqs, max_q_len] int64: absolute position (padding 0)
     token_rows: torch.Tensor  # [num_tokens] int64: the sequence row of each flat token
     token_cols: torch.Tensor  # [num_tokens] int64: its column in the padded view
+    # Hybrid models only (short-conv / Gated DeltaNet layers); None for pure attention models.
+    query_lens: torch.Tensor | None = None  # [num_seqs] int64: valid tokens of each padded row
+    state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's slot in the state pool
+    state_caches: list[tuple[torch.Tensor, ...]] | None = None  # per state layer: tensors [num_slots, ...]
+    is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
 
 
 def rope_inv_freq(head_dim: int, rope: dict[str, Any], device: torch.device | str = "cpu") -> torch.Tensor:

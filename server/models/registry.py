@@ -10,6 +10,14 @@ MODEL_MODULES: dict[str, str] = {
     "llama": "llama",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    # Hybrids (short-conv / Gated DeltaNet state layers); the `*_text` types are the nested text configs.
+    "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+    "qwen3_next": "qwen3_next",
 }
 
 

@@ -45,6 +45,7 @@ class FakeHandle:
         self._params = params
         self._aborted = asyncio.Event()
         self._finished = False
+        self.max_model_len_left = engine.max_model_len - prompt_tokens
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._run()
@@ -69,7 +70,8 @@ class FakeHandle:
             if script.gate is not None:
                 while not script.gate.is_set() and not self._aborted.is_set():
                     await self._wait(0.005)
-            num_pieces = min(len(script.pieces), params.max_tokens)
+            max_tokens = min(params.max_tokens, self.max_model_len_left)
+            num_pieces = min(len(script.pieces), max_tokens)
             for i in range(num_pieces):
                 if await self._wait(script.delay_s):
                     break
@@ -78,7 +80,7 @@ class FakeHandle:
                 last = i == num_pieces - 1
                 finish = None
                 if last:
-                    finish = "length" if len(script.pieces) > params.max_tokens else script.finish_reason
+                    finish = "length" if len(script.pieces) > max_tokens else script.finish_reason
                 self._finished = last
                 yield self._delta(i, script.pieces[i], finish)
             else:
@@ -145,8 +147,8 @@ class FakeEngine:
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
-        if prompt_tokens + params.max_tokens > self.max_model_len:
-            raise ContextLengthExceededError(prompt_tokens, params.max_tokens, self.max_model_len)
+        if prompt_tokens >= self.max_model_len:  # a prompt that fits is accepted; generation stops at the limit
+            raise ContextLengthExceededError(prompt_tokens, self.max_model_len)
         if self.submit_error is not None:
             raise self.submit_error
         request_id = request_id or f"fake-{len(self.submitted)}"

@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import unicodedata
 
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
-from server.engine.demo import TRAINING_TEXT
+from server.engine.demo import TRAINING_TEXT, ensure_demo_model
 from server.engine.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, StopStringMatcher
 from server.engine.tokenizer import Tokenizer
-from tests.engine.test_tokenizer import demo_dir, random_text, rng, tok  # noqa: F401 - shared fixtures
+from tests.engine.test_tokenizer import random_text
 
 FFFD = "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_pretrained(ensure_demo_model(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = secrets.randbits(32)
+    print(f"random seed: {seed}")
+    return random.Random(seed)
 
 
 def chunks(rng: random.Random, items: list, max_size: int = 4) -> list[list]:
@@ -131,6 +144,8 @@ def test_leading_space_decoders(rng):
     words = sp.encode("the model 🦜 token", add_special_tokens=False)
     assert "".join(sp.decode([i]) for i in words) != sp.decode(words)  # per-token decoding loses the spaces
     assert sp.decode(words) == "the model 🦜 token"  # the emoji goes through <0xNN> byte fallback
+    assert b"".join(sp.token_bytes(i) for i in words) == " the model 🦜 token".encode()  # logprob bytes
+    assert "".join(sp.token_text(i) for i in sp.encode("model", add_special_tokens=False)) == " model"
     for _ in range(100):
         text = random_text(rng).replace("<", "")
         ids = sp.encode(text, add_special_tokens=False)

@@ -1,8 +1,6 @@
-"""Tokenizer parity with transformers: ids, decoding, special tokens, EOS ids and loading errors.
-
-Chat-template parity lives in test_chat_template-style tests at the bottom of this file. Inputs are drawn
-fresh each run; the seed is in every failure message.
-"""
+"""Tokenizer parity with transformers: ids, decoding, special tokens, EOS ids, loading errors, and chat
+templates (real Qwen3 and Llama-3.1 templates, precedence, sandbox). Inputs are drawn fresh each run; the
+seed is printed with every failure."""
 
 from __future__ import annotations
 
@@ -277,7 +275,9 @@ def test_chat_template_matches_transformers(template_dirs, name, rng):
     hf = transformers.AutoTokenizer.from_pretrained(template_dirs[name])
     seed = rng.random()
     string_args = conversations(random.Random(seed), name, as_string=True)
-    for (messages, kwargs), (hf_messages, _) in zip(string_args, conversations(random.Random(seed), name, False)):
+    for (messages, kwargs), (hf_messages, _) in zip(
+        string_args, conversations(random.Random(seed), name, False), strict=True
+    ):
         kwargs = {"add_generation_prompt": True, **kwargs}
         if name == "llama3.1":
             kwargs.setdefault("date_string", "26 Jul 2024")

@@ -1,0 +1,66 @@
+"""Benchmark presets (configs/presets/*.toml): a [model] table of config.json keys plus optional [bench] defaults.
+
+The format is described in configs/presets/README.md.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+BENCH_KEYS = {"prompt_len": int, "num_decode_tokens": int, "batch_sizes": list}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hf_config: dict[str, Any]  # exactly what a checkpoint's config.json would hold
+    bench: dict[str, Any] = field(default_factory=dict)  # prompt_len, num_decode_tokens, batch_sizes
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def preset_path(name: str) -> Path:
+    """A preset name (configs/presets/NAME.toml) or a path to a .toml file in the same format."""
+    path = Path(name).expanduser()
+    if path.suffix == ".toml":
+        if not path.is_file():
+            raise ValueError(f"preset file {path} does not exist")
+        return path
+    path = PRESET_DIR / f"{name}.toml"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(available_presets())} (or a path to a .toml)")
+    return path
+
+
+def load_preset(name: str) -> Preset:
+    path = preset_path(name)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"preset {path} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - {"model", "bench"})
+    if unknown:
+        raise ValueError(f"preset {path}: unknown tables {unknown}; use [model] and [bench]")
+    model = data.get("model")
+    if not isinstance(model, dict) or "model_type" not in model:
+        raise ValueError(f"preset {path} needs a [model] table with model_type (the config.json keys)")
+    bench = dict(data.get("bench", {}))
+    for key, value in bench.items():
+        if key not in BENCH_KEYS:
+            raise ValueError(f"preset {path}: unknown [bench] key {key!r}; valid keys are {sorted(BENCH_KEYS)}")
+        if not isinstance(value, BENCH_KEYS[key]):
+            raise ValueError(f"preset {path}: [bench] {key} must be a {BENCH_KEYS[key].__name__}, got {value!r}")
+    return Preset(path.stem, model, bench)
+
+
+def model_args(hf_config: dict[str, Any]):
+    """The ModelArgs our model is built from, through the same path as a checkpoint's config.json."""
+    from server.models.registry import get_model_module
+
+    return get_model_module(hf_config["model_type"]).ModelArgs.from_hf_config(hf_config)

@@ -1,0 +1,350 @@
+"""Layers of the hybrid architectures (LFM2 short-conv, Qwen3-Next / Qwen3.5 Gated DeltaNet), written once.
+
+A hybrid decoder has two kinds of token mixer: attention layers over the paged KV cache, and state layers
+(ShortConv, GatedDeltaNet) that keep a fixed-size state per sequence in the engine's state pool
+(`meta.state_caches[j]`: tensors `[num_slots, ...]`, row `meta.state_slots[r]` for sequence row r).
+State layers work on the padded `[num_seqs, max_q_len]` view of the step's flat tokens; a row's padding
+never reaches its state (conv: the new state is gathered at the row's length; GDN: g = beta = 0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.kernels import gated_delta
+from server.kernels import moe as moe_ops
+from server.kernels.paged_attention import paged_attention, write_kv
+from server.models.base import AttentionMetadata
+from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+
+log = logging.getLogger(__name__)
+
+ATTENTION = "full_attention"
+STATE_LAYER_TYPES = ("conv", "linear_attention")
+
+
+def default_layer_types(num_layers: int, full_attention_interval: int) -> list[str]:
+    """Qwen3-Next / Qwen3.5: every `interval`-th layer (1-based) is attention, the rest Gated DeltaNet."""
+    return [ATTENTION if (i + 1) % full_attention_interval == 0 else "linear_attention" for i in range(num_layers)]
+
+
+def _padded(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Flat [num_tokens, ...] -> padded rows [num_seqs, max_q_len, ...]."""
+    return x.unsqueeze(1) if meta.is_decode else x[meta.query_index]
+
+
+def _flat(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Padded rows [num_seqs, max_q_len, ...] -> flat [num_tokens, ...]."""
+    return x.squeeze(1) if meta.is_decode else x[meta.token_rows, meta.token_cols]
+
+
+def _valid_mask(meta: AttentionMetadata, max_q_len: int) -> torch.Tensor:
+    """[num_seqs, max_q_len] bool: which padded positions hold a real token."""
+    cols = torch.arange(max_q_len, device=meta.query_lens.device)
+    return cols[None, :] < meta.query_lens[:, None]
+
+
+class ShortConv(nn.Module):
+    """LFM2 `conv` operator: B, C, x = in_proj(h); y = out_proj(C * conv(B * x)), conv causal depthwise."""
+
+    def __init__(self, hidden_size: int, kernel_size: int):
+        super().__init__()
+        self.hidden_size, self.kernel_size = hidden_size, kernel_size
+        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)  # weight only
+        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
+        return [((self.hidden_size, self.kernel_size - 1), None)]  # conv state of B*x, model dtype
+
+    def forward(self, x, rope, meta: AttentionMetadata, state) -> torch.Tensor:
+        (conv_cache,) = state
+        b, c, xx = self.in_proj(x).chunk(3, dim=-1)
+        slots = meta.state_slots
+        y, new_state = gated_delta.causal_conv1d(
+            _padded(b * xx, meta), self.conv.weight.squeeze(1), conv_cache[slots], meta.query_lens
+        )
+        conv_cache.index_copy_(0, slots, new_state)
+        return self.out_proj(c * _flat(y, meta))
+
+
+class GatedRMSNorm(nn.Module):
+    """GDN output norm: (w * norm(x).to(dtype)) * silu(z) in fp32, cast back. Weight is plain (not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5 / Qwen3-Next linear attention. All four input projections run as one GEMM (`in_proj`);
+    Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are un-grouped to the same rows while loading
+    (`split_grouped_projections`)."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, kernel_size: int, eps: float):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim
+        self.key_size, self.value_size = num_k_heads * k_dim, num_v_heads * v_dim
+        self.conv_dim, self.kernel_size = 2 * self.key_size + self.value_size, kernel_size
+        self.in_proj = MergedLinear(
+            hidden_size,
+            [self.conv_dim, self.value_size, num_v_heads, num_v_heads],
+            ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"],
+        )
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(num_v_heads))
+        self.norm = GatedRMSNorm(v_dim, eps)
+        self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
+        return [
+            ((self.conv_dim, self.kernel_size - 1), None),  # pre-conv [q|k|v], model dtype
+            ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),  # recurrent state
+        ]
+
+    def forward(self, x, rope, meta: AttentionMetadata, state) -> torch.Tensor:
+        conv_cache, recurrent_cache = state
+        num_tokens, slots = x.shape[0], meta.state_slots
+        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], -1)
+        qkv, new_conv = gated_delta.causal_conv1d(
+            _padded(qkv, meta), self.conv1d.weight.squeeze(1), conv_cache[slots], meta.query_lens
+        )
+        conv_cache.index_copy_(0, slots, new_conv)
+        qkv = F.silu(qkv)  # [S, L, conv_dim]
+        num_rows, max_q_len = qkv.shape[:2]
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        q = q.reshape(num_rows, max_q_len, self.num_k_heads, self.k_dim)
+        k = k.reshape(num_rows, max_q_len, self.num_k_heads, self.k_dim)
+        v = v.reshape(num_rows, max_q_len, self.num_v_heads, self.v_dim)
+        beta = _padded(b.sigmoid(), meta).float()  # [S, L, Hv]
+        g = _padded(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), meta)
+        if not meta.is_decode:  # padding must leave the state alone: decay 1, no update
+            valid = _valid_mask(meta, max_q_len)[..., None]
+            beta, g = beta * valid, g * valid
+        out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_cache[slots])
+        recurrent_cache.index_copy_(0, slots, new_state)
+        out = self.norm(_flat(out, meta), z.view(num_tokens, self.num_v_heads, self.v_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_size))
+
+
+def split_grouped_projections(name: str, tensor: torch.Tensor, num_k_heads: int, k_dim: int, v_dim: int, ratio: int):
+    """Qwen3-Next checkpoint -> Qwen3.5 layout: `in_proj_qkvz` rows [q k v(r) z(r)] per key head become
+    `in_proj_qkv` [q_all|k_all|v_all] and `in_proj_z`; `in_proj_ba` rows [b(r) a(r)] per key head become
+    `in_proj_b` and `in_proj_a` (value head = group * r + j). Other tensors pass through."""
+    prefix, _, leaf = name.rpartition(".")
+    if prefix.endswith("in_proj_qkvz"):
+        base = prefix[: -len("in_proj_qkvz")]
+        grouped = tensor.view(num_k_heads, 2 * k_dim + 2 * ratio * v_dim, -1)
+        q, k, v, z = grouped.split([k_dim, k_dim, ratio * v_dim, ratio * v_dim], dim=1)
+        qkv = torch.cat([t.reshape(-1, tensor.shape[-1]) for t in (q, k, v)])
+        return [(f"{base}in_proj_qkv.{leaf}", qkv), (f"{base}in_proj_z.{leaf}", z.reshape(-1, tensor.shape[-1]))]
+    if prefix.endswith("in_proj_ba"):
+        base = prefix[: -len("in_proj_ba")]
+        b, a = tensor.view(num_k_heads, 2 * ratio, -1).split([ratio, ratio], dim=1)
+        return [(f"{base}in_proj_b.{leaf}", b.reshape(-1, tensor.shape[-1])), (f"{base}in_proj_a.{leaf}", a.reshape(-1, tensor.shape[-1]))]
+    return [(name, tensor)]
+
+
+class GatedAttention(nn.Module):
+    """Qwen3-Next / Qwen3.5 attention: q_proj emits [q_h | gate_h] per head, zero-centred q/k norms,
+    partial RoPE, output `o_proj(attn * sigmoid(gate))`."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size, [2 * self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps, zero_centered=True)
+        self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
+
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class SharedExpertMoE(nn.Module):
+    """Qwen3-Next / Qwen3.5 MoE: softmax router in fp32, top-k (renormalized), plus a shared SwiGLU expert
+    scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, shared_size: int, renormalize: bool):
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = GatedMLP(hidden_size, shared_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize)
+        routed = self.experts(x, weights, expert_ids)
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class SigmoidBiasMoE(nn.Module):
+    """LFM2-MoE: sigmoid router in the model dtype; the fp32 `expert_bias` buffer only picks the experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool, scaling: float, use_bias: bool):
+        super().__init__()
+        self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, per_expert_names=("w1", "w3", "w2"))
+        self.use_bias = use_bias
+        if use_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def reset_buffers(self) -> None:
+        """Keep expert_bias fp32 whatever the model dtype (the loader fills it from the checkpoint)."""
+        if self.use_bias:
+            self.expert_bias = torch.zeros(self.expert_bias.shape, dtype=torch.float32, device=self.expert_bias.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.expert_bias if self.use_bias else None
+        weights, expert_ids = moe_ops.route_sigmoid_bias(self.gate(x), bias, self.top_k, self.renormalize, self.scaling)
+        return self.experts(x, weights, expert_ids)
+
+
+class HybridLayer(nn.Module):
+    """Pre-norm block `h = x + mixer(norm1(x)); out = h + ffn(norm2(h))` under the checkpoint's names."""
+
+    def __init__(self, names: tuple[str, str, str, str], mixer: nn.Module, ffn: nn.Module, make_norm):
+        super().__init__()
+        self.names = names  # (norm1, mixer, norm2, ffn)
+        norm1, mixer_name, norm2, ffn_name = names
+        setattr(self, norm1, make_norm())
+        setattr(self, mixer_name, mixer)
+        setattr(self, norm2, make_norm())
+        setattr(self, ffn_name, ffn)
+
+    def forward(self, x, rope, meta, cache):
+        norm1, mixer, norm2, ffn = (getattr(self, n) for n in self.names)
+        h = x + mixer(norm1(x), rope, meta, cache)
+        return h + ffn(norm2(h))
+
+
+class HybridBody(nn.Module):
+    """`model.*`: embed_tokens, layers and the final norm (named `norm`, or `embedding_norm` in LFM2)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], final_norm_name: str, final_norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, final_norm)
+
+
+class HybridModel(nn.Module):
+    """Decoder with attention and state layers. Subclasses build the layers (`make_layer`) and the final norm.
+
+    `kv_cache_shapes()` lists the attention layers only (kv_caches passed to forward align with them);
+    `state_shapes()` lists the state layers (meta.state_caches align with them).
+    """
+
+    final_norm_name = "norm"
+    ignored_prefixes: tuple[str, ...] = ()  # checkpoint parts that are not the text model (vision, MTP)
+
+    def __init__(self, args, layer_types: list[str], head_dim: int, num_kv_heads: int):
+        super().__init__()
+        self.args = args
+        unknown = sorted({t for t in layer_types if t != ATTENTION and t not in STATE_LAYER_TYPES})
+        if unknown or len(layer_types) != args.num_hidden_layers:
+            raise ValueError(
+                f"layer_types must name each of the {args.num_hidden_layers} layers as {ATTENTION!r} or one of "
+                f"{STATE_LAYER_TYPES}; got {layer_types}"
+            )
+        self.layer_types = list(layer_types)
+        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
+        layers = [self.make_layer(i, t) for i, t in enumerate(layer_types)]
+        self.model = HybridBody(args.vocab_size, args.hidden_size, layers, self.final_norm_name, self.make_norm())
+        self.rotary_emb = RotaryEmbedding(head_dim, args.rope_parameters)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Per layer: index into kv_caches (attention) or meta.state_caches (state layers).
+        self._cache_index = [
+            sum(1 for u in layer_types[:i] if (u == ATTENTION) == (t == ATTENTION)) for i, t in enumerate(layer_types)
+        ]
+        self._skipped_logged: set[str] = set()
+
+    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def mixer(self, layer_idx: int) -> nn.Module:
+        layer = self.model.layers[layer_idx]
+        return getattr(layer, layer.names[1])
+
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each attention layer's KV cache, in layer order."""
+        return [(self.num_kv_heads, self.head_dim)] * self.layer_types.count(ATTENTION)
+
+    def state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype | None]]]:
+        """Per state layer: the per-sequence state tensors as (shape, dtype; None = model dtype)."""
+        return [self.mixer(i).state_shapes() for i, t in enumerate(self.layer_types) if t != ATTENTION]
+
+    def sanitize(self, name: str) -> str | None:
+        """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts)."""
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model.") :]
+        for prefix in self.ignored_prefixes:
+            if name.startswith(prefix):
+                if prefix not in self._skipped_logged:
+                    self._skipped_logged.add(prefix)
+                    log.info("ignoring checkpoint tensors %s* (not part of the text model)", prefix)
+                return None
+        if "rotary_emb.inv_freq" in name or "pos_emb.inv_freq" in name:
+            return None
+        if self.args.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
+        state_caches = meta.state_caches
+        for layer, layer_type, index in zip(self.model.layers, self.layer_types, self._cache_index, strict=True):
+            cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
+            x = layer(x, rope, meta, cache)
+        return getattr(self.model, self.model.final_norm_name)(x)  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_tokens, vocab]
+
+
+def lfm2_attention(hidden_size: int, num_heads: int, num_kv_heads: int, eps: float) -> Attention:
+    """LFM2 attention: the shared GQA layer with q/k_layernorm (plain RMSNorm) and `out_proj`."""
+    return Attention(
+        hidden_size, num_heads, num_kv_heads, hidden_size // num_heads, qk_norm_eps=eps,
+        o_proj_name="out_proj", q_norm_name="q_layernorm", k_norm_name="k_layernorm",
+    )

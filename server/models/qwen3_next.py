@@ -1,0 +1,54 @@
+"""Qwen3-Next (80B-A3B): the Qwen3.5-MoE hybrid with a flat config, grouped `in_proj_qkvz` / `in_proj_ba`
+Gated DeltaNet projections (un-grouped while loading), per-expert tensors, optional dense layers
+(`mlp_only_layers`, `decoder_sparse_step`) and `norm_topk_prob`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from server.models import qwen3_5_moe
+from server.models.hybrid import SharedExpertMoE, split_grouped_projections
+from server.models.layers import GatedMLP
+
+
+@dataclass
+class ModelArgs(qwen3_5_moe.ModelArgs):
+    model_type: str = "qwen3_next"
+    vocab_size: int = 151936
+    intermediate_size: int = 5632
+    num_hidden_layers: int = 48
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            layer_idx not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+        )
+
+
+class Model(qwen3_5_moe.Model):
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        args = self.args
+        if not args.is_moe_layer(layer_idx):
+            return GatedMLP(args.hidden_size, args.intermediate_size)
+        return SharedExpertMoE(
+            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+            args.shared_expert_intermediate_size, args.norm_topk_prob,
+        )
+
+    def split_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Loader hook: grouped GDN projections -> the Qwen3.5 rows `GatedDeltaNet.in_proj` declares."""
+        args = self.args
+        ratio = args.linear_num_value_heads // args.linear_num_key_heads
+        return split_grouped_projections(
+            name, tensor, args.linear_num_key_heads, args.linear_key_head_dim, args.linear_value_head_dim, ratio
+        )

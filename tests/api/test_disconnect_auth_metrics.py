@@ -1,0 +1,117 @@
+"""A client that leaves aborts its engine request (visible in /metrics); API keys; CORS; metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.api.conftest import serve, wait_until
+from tests.api.fake_engine import FakeEngine, Script
+
+
+def _metric(text: str, name: str, labels: str = "") -> float:
+    match = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name}{labels} not in /metrics"
+    return float(match.group(1))
+
+
+def _raw_post(url: str, path: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("before_first_token", [True, False])
+def test_disconnect_aborts_the_request(stream: bool, before_first_token: bool) -> None:
+    gate = threading.Event()
+    script = Script(pieces=["tok"] * 10_000, delay_s=0.01, gate=gate if before_first_token else None)
+    engine = FakeEngine(script)
+    with serve(engine, keepalive_interval_s=0.05) as running:
+        body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        sock = _raw_post(running.url, "/v1/chat/completions", body)
+        wait_until(lambda: len(engine.running) == 1)
+        if stream:
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.close()
+        wait_until(lambda: len(engine.aborted) == 1)
+        assert engine.aborted == [engine.submitted[0][0]]
+        wait_until(lambda: not engine.running)
+        metrics = running.metrics()
+        assert _metric(metrics, "mps_serve_requests_finished_total", '{finish_reason="abort"}') == 1
+        assert _metric(metrics, "mps_serve_num_requests_running") == 0
+        # the server is still healthy for the next client
+        assert running.post("/v1/chat/completions", {"messages": body["messages"], "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_count_requests_tokens_and_engine_gauges() -> None:
+    engine = FakeEngine(Script(pieces=["a", "b", "c"], cached_tokens=1))
+    with serve(engine) as running:
+        client = running.client()
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "one two"}])
+        list(client.completions.create(model="m", prompt="x y z", stream=True))
+        running.post("/v1/chat/completions", {"messages": []})
+        running.get("/nope")
+        metrics = running.metrics()
+        prompt_tokens = sum(len(p.split()) for _, p, _ in engine.submitted)
+        assert _metric(metrics, "mps_serve_prompt_tokens_total") == prompt_tokens
+        assert _metric(metrics, "mps_serve_cached_prompt_tokens_total") == 2
+        assert _metric(metrics, "mps_serve_generation_tokens_total") == 6
+        assert _metric(metrics, "mps_serve_requests_finished_total", '{finish_reason="stop"}') == 2
+        assert _metric(metrics, "mps_serve_http_requests_total", '{endpoint="/v1/chat/completions",status="200"}') == 1
+        assert _metric(metrics, "mps_serve_http_requests_total", '{endpoint="/v1/chat/completions",status="400"}') == 1
+        assert _metric(metrics, "mps_serve_http_requests_total", '{endpoint="other",status="404"}') == 1
+        assert _metric(metrics, "mps_serve_time_to_first_token_seconds_count") == 2
+        assert _metric(metrics, "mps_serve_inter_token_latency_seconds_count") == 4
+        stats = engine.stats()
+        assert _metric(metrics, "mps_serve_kv_blocks_free") == stats.kv_blocks_free
+        assert _metric(metrics, "mps_serve_prefix_cache_hit_tokens_total") == stats.prefix_cache_hit_tokens
+        assert _metric(metrics, "mps_serve_num_requests_waiting") == stats.num_waiting
+
+
+def test_api_key() -> None:
+    with serve(FakeEngine(), api_key="s3cret") as running:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
+                        {"Authorization": "Basic s3cret"}):
+            r = running.post("/v1/chat/completions", body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert running.get("/v1/models").status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            running.client("wrong").models.list()
+        assert running.client("s3cret").chat.completions.create(model="m", messages=body["messages"]).choices
+        assert running.get("/health").status_code == 200 and running.get("/metrics").status_code == 200
+
+
+def test_cors_off_by_default_and_on_with_allowed_origins() -> None:
+    preflight = {"Origin": "http://editor.local", "Access-Control-Request-Method": "POST"}
+    with serve(FakeEngine()) as running:
+        r = httpx.options(f"{running.url}/v1/chat/completions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = running.get("/v1/models", headers={"Origin": "http://editor.local"})
+        assert "access-control-allow-origin" not in r.headers
+    with serve(FakeEngine(), allowed_origins=("http://editor.local",), api_key="k") as running:
+        r = httpx.options(f"{running.url}/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://editor.local"
+        r = running.get("/v1/models", headers={"Origin": "http://editor.local", "Authorization": "Bearer k"})
+        assert r.headers["access-control-allow-origin"] == "http://editor.local"
+        r = running.get("/v1/models", headers={"Origin": "http://evil.example", "Authorization": "Bearer k"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_prompts_are_not_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    secret = "correct-horse-battery-staple"
+    with caplog.at_level("INFO"), serve(FakeEngine()) as running:
+        running.client().chat.completions.create(model="m", messages=[{"role": "user", "content": secret}])
+        running.client().completions.create(model="m", prompt=secret)
+    assert caplog.records and not any(secret in r.getMessage() for r in caplog.records)

@@ -1,0 +1,138 @@
+"""Every client mistake is a 4xx in OpenAI's error shape; engine failures mid-stream are one error event."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server.engine.types import QueueFullError
+from tests.api.conftest import RunningServer, serve, sse_events
+from tests.api.fake_engine import FakeEngine, Script
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "temperature": -1}, "temperature"),
+    ({"messages": MSG, "temperature": "hot"}, "temperature"),
+    ({"messages": MSG, "top_p": 0}, "top_p"),
+    ({"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MSG, "n": 0}, "n"),
+    ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": MSG, "logprobs": True, "top_logprobs": 50}, "logprobs"),
+    ({"messages": MSG, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({}, "messages"),
+])
+def test_invalid_chat_parameters_are_400(srv: RunningServer, body: dict, param: str) -> None:
+    err = _error(srv.post("/v1/chat/completions", body), 400)
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    if param.startswith("messages[0].content"):
+        assert "image" in err["message"]
+
+
+def test_invalid_completion_parameters_are_400(srv: RunningServer) -> None:
+    for body, param in (({"prompt": "x", "suffix": "y"}, "suffix"), ({"prompt": []}, "prompt"),
+                        ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": "x", "echo": True, "logprobs": 1}, "echo")):
+        err = _error(srv.post("/v1/completions", body), 400)
+        assert param is None or err["param"] == param
+
+
+def test_malformed_json_and_non_object_bodies(srv: RunningServer) -> None:
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+        assert "detail" not in r.json()
+        assert _error(r, 400)["code"] == "invalid_json"
+
+
+def test_context_length_exceeded(srv: RunningServer) -> None:
+    long_text = "word " * (srv.engine.max_model_len + 5)
+    err = _error(srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+    assert f"maximum context length is {srv.engine.max_model_len} tokens" in err["message"]
+    err = _error(srv.post("/v1/completions", {"prompt": long_text}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as info:
+        srv.client().chat.completions.create(model="m", messages=[{"role": "user", "content": long_text}])
+    assert info.value.code == "context_length_exceeded"
+
+
+def test_unknown_route_and_wrong_method(srv: RunningServer) -> None:
+    assert "Invalid URL" in _error(srv.post("/v1/nope", {}), 404)["message"]
+    assert _error(srv.get("/nothing/here"), 404)
+    r = srv.get("/v1/chat/completions")
+    _error(r, 405)
+    assert "POST" in r.headers.get("allow", "")
+    assert _error(srv.get("/v1/models/not-served"), 404)["code"] == "model_not_found"
+
+
+def test_oversize_body_is_413() -> None:
+    with serve(FakeEngine(), max_request_body_bytes=2000) as running:
+        big = {"messages": [{"role": "user", "content": "x" * 3000}]}
+        assert _error(running.post("/v1/chat/completions", big), 413)["code"] == "request_too_large"
+
+        def chunked():  # no Content-Length: the limit is enforced while reading
+            yield json.dumps(big).encode()
+
+        r = httpx.post(f"{running.url}/v1/chat/completions", content=chunked(), timeout=30)
+        assert _error(r, 413)["code"] == "request_too_large"
+        assert running.post("/v1/chat/completions", {"messages": MSG}).status_code == 200
+
+
+def test_queue_full_is_429_with_retry_after(srv: RunningServer) -> None:
+    srv.engine.submit_error = QueueFullError(300, retry_after_s=2.5)
+    r = srv.post("/v1/chat/completions", {"messages": MSG})
+    assert _error(r, 429)["code"] == "queue_full" and r.headers["retry-after"] == "3"
+    srv.engine.submit_error = None
+    srv.engine.num_waiting = 10_000  # over config.max_waiting_requests: refused before reaching the engine
+    n = len(srv.engine.submitted)
+    r = srv.post("/v1/completions", {"prompt": "x"})
+    assert _error(r, 429) and r.headers["retry-after"] and len(srv.engine.submitted) == n
+
+
+def test_error_mid_stream_is_one_error_event(srv: RunningServer) -> None:
+    srv.engine.script = Script(pieces=["a", "b", "c"], error_after=2)
+    for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"})):
+        r = srv.post(path, {**body, "stream": True})
+        data, _ = sse_events(r)
+        assert "[DONE]" not in data
+        last = json.loads(data[-1])
+        assert set(last) == {"error"} and last["error"]["type"] == "server_error"
+        with pytest.raises(openai.APIError):
+            list(srv.client().completions.create(model="m", prompt="x", stream=True))
+        r = srv.post(path, body)  # non-streaming: a 500, not a hang
+        assert _error(r, 500)["type"] == "server_error"
+
+
+def test_health_is_503_and_requests_wait_while_loading() -> None:
+    from server.api.app import create_app
+    from server.config import ServerConfig
+    from tests.api.conftest import run_app
+
+    with run_app(create_app(None, ServerConfig(), model_name="some/model")) as running:
+        assert _error(running.get("/health"), 503)["code"] == "model_loading"
+        r = running.post("/v1/chat/completions", {"messages": MSG})
+        assert _error(r, 503)["code"] == "model_loading" and r.headers["retry-after"]
+        assert running.get("/v1/models").json()["data"][0]["id"] == "some/model"
+        assert "mps_serve_model_loaded 0.0" in running.metrics()
