@@ -192,19 +192,10 @@ def moe_layer_loop(x, layer):
     return loop_experts(x, weights, expert_ids, layer["gate_up"], layer["down"])
 
 
-def experts_gather_reduce(x, weights, expert_ids, gate_up, down):
-    """Experiment for torch.compile: gathers folded into two reductions, no expert weight copies."""
-    num_tokens, top_k = expert_ids.shape
-    flat = expert_ids.reshape(-1)
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1])  # [T*k, H]
-    hidden = (gate_up[flat].float() * x_slots[:, None, :].float()).sum(-1)  # [T*k, 2I]
-    y = (down[flat].float() * moe.swiglu(hidden)[:, None, :]).sum(-1)  # [T*k, H]
-    return torch.bmm(weights.float().unsqueeze(1), y.view(num_tokens, top_k, -1)).squeeze(1).to(x.dtype)
-
-
-def moe_layer_gather_reduce(x, layer):
+def moe_layer_grouped(x, layer):
+    """Route + the grouped_mm path even where moe_experts would pick another (to compare under compile)."""
     weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
-    return experts_gather_reduce(x, weights, expert_ids, layer["gate_up"], layer["down"])
+    return moe._experts_grouped(x, weights, expert_ids, layer["gate_up"], layer["down"])
 
 
 def moe_stage_inputs(layers, xs) -> list[dict]:
@@ -247,14 +238,20 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
     variants[f"layer: fallback {fallback.__name__} (no grouped_mm)"] = at(
         lambda s: fallback(s["x"], s["weights"], s["expert_ids"], s["layer"]["gate_up"], s["layer"]["down"]))
     if use_compile:
-        compiled = torch.compile(moe_layer, fullgraph=True, dynamic=False)
-        variants["layer: torch.compile(route + moe_experts)"] = lambda i: compiled(
-            xs[i % NUM_INPUTS], layers[i % NUM_LAYERS])
-        if num_tokens == 1:
-            gather_reduce = torch.compile(moe_layer_gather_reduce, fullgraph=True, dynamic=False)
-            variants["layer: torch.compile(gather-reduce experiment)"] = lambda i: gather_reduce(
-                xs[i % NUM_INPUTS], layers[i % NUM_LAYERS])
+        path = "gather-reduce" if moe.few_slots(num_tokens * TOP_K, NUM_EXPERTS) else "grouped_mm"
+        for label, fn, weights in (
+            (f"route + moe_experts ({path})", moe_layer, layers),
+            (f"route + moe_experts_fp8 ({path if path == 'gather-reduce' else 'scaled_grouped_mm'})",
+             moe_layer_fp8, layers_fp8),
+            ("route + grouped_mm path forced", moe_layer_grouped, layers),
+        ):
+            variants[f"layer: torch.compile({label})"] = compiled_layer(fn, xs, weights)
     return variants
+
+
+def compiled_layer(fn, xs, layers) -> Callable[[int], object]:
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    return lambda i: compiled(xs[i % NUM_INPUTS], layers[i % NUM_LAYERS])
 
 
 def bench_moe(num_tokens: int, layers, layers_fp8, copy_gbps: float, use_compile: bool, rows: list[dict]) -> None:
@@ -336,8 +333,8 @@ def bench_sampling(rows: list[dict], use_compile: bool) -> None:
         print("| op | graph us | eager us |")
         print("|---|---|---|")
         variants = sampling_variants(num_rows)
-        if use_compile and num_rows == 1:
-            variants["torch.compile(sample): temperature"] = compiled_sample()
+        if use_compile:
+            variants["torch.compile(sample): temperature"] = compiled_sample(num_rows)
         for name, fn in variants.items():
             try:
                 fn(0)
@@ -350,10 +347,11 @@ def bench_sampling(rows: list[dict], use_compile: bool) -> None:
                              eager_us=eager_us))
 
 
-def compiled_sample() -> Callable[[int], object]:
-    batch = sampling.build_sampling_batch([sampling.SamplingRow(0.8, seed=3)], VOCAB, DEVICE)
+def compiled_sample(num_rows: int) -> Callable[[int], object]:
+    rows = [sampling.SamplingRow(0.8, seed=3 + b) for b in range(num_rows)]
+    batch = sampling.build_sampling_batch(rows, VOCAB, DEVICE)
     compiled = torch.compile(sampling.sample, fullgraph=True, dynamic=False)
-    logits = torch.randn(1, VOCAB, device=DEVICE)
+    logits = torch.randn(num_rows, VOCAB, device=DEVICE)
     return lambda i: compiled(logits, batch)
 
 
@@ -392,6 +390,29 @@ def sync_check(layers, layers_fp8) -> list[str]:
     return results
 
 
+def parity_check() -> list[str]:
+    """The sampler on the GPU against its per-row twin, and the noise against the CPU's, bit for bit."""
+    vocab = 32000
+    rows = [sampling.SamplingRow(t, top_k=k, top_p=p, min_p=m, seed=11 * b, step=b, repetition_penalty=1.2,
+                                 output_token_ids=[5, 6, 6], prompt_token_ids=[1, 2], num_logprobs=3)
+            for b, (t, k, p, m) in enumerate([(0.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
+                                              (1.3, 0, 1.0, 0.1), (0.9, 100, 0.8, 0.05), (1.0, 0, 1.0, 0.0)])]
+    mismatches, total = 0, 0
+    for trial in range(20):
+        for row in rows:
+            row.step = trial
+        batch = sampling.build_sampling_batch(rows, vocab, DEVICE)
+        logits = torch.randn(len(rows), vocab, device=DEVICE) * 2
+        fast, ref = sampling.sample(logits, batch), sampling.sample_reference(logits, batch)
+        mismatches += int((fast.token_ids != ref.token_ids).sum())
+        total += len(rows)
+    lo = torch.arange(8)
+    cpu = sampling.exponential_noise(lo, lo * 3, lo + 5, 4096)
+    gpu = sampling.exponential_noise(lo.to(DEVICE), (lo * 3).to(DEVICE), (lo + 5).to(DEVICE), 4096).cpu()
+    return [f"sample vs sample_reference on cuda: {total - mismatches}/{total} tokens equal",
+            f"exponential_noise cuda == cpu bit for bit: {torch.equal(cpu, gpu)}"]
+
+
 def streams_check() -> str:
     from server.kernels.streams import DeviceStreams
 
@@ -412,6 +433,7 @@ def main() -> None:
     parser.add_argument("--json", help="write all rows to this file")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: gemv,moe,sampling")
+    parser.add_argument("--tokens", default="1,4,64", help="MoE token counts")
     args = parser.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(DEVICE)
@@ -426,12 +448,12 @@ def main() -> None:
         bench_gemv(copy_gbps, rows)
     layers, layers_fp8 = make_moe_layers()
     if "moe" not in skip:
-        for num_tokens in (1, 64):
+        for num_tokens in [int(t) for t in args.tokens.split(",")]:
             bench_moe(num_tokens, layers, layers_fp8, copy_gbps, not args.no_compile, rows)
     if "sampling" not in skip:
         bench_sampling(rows, not args.no_compile)
     print("\n## Sync check (torch.cuda.set_sync_debug_mode('error'))")
-    for line in sync_check(layers, layers_fp8) + [streams_check()]:
+    for line in sync_check(layers, layers_fp8) + parity_check() + [streams_check()]:
         print(f"- {line}")
         rows.append(dict(section="check", result=line))
     if args.json:

@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
 
+    from server.bench.options import add_bench_parser  # argparse only; the bench itself loads lazily
+
+    add_bench_parser(sub)
+
     info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled")
     info.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
     return parser
@@ -124,10 +128,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from server.bench.run import cmd_bench as run_bench
+
+    return run_bench(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, EngineError) as exc:  # configuration and request errors carry a message that says what to fix

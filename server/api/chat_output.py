@@ -104,7 +104,15 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else -9999.0
 
 
+_BYTES_PREFIX = "bytes:"  # OpenAI/vLLM spelling of a token that is not whole UTF-8: "bytes:\\xe2\\x80"
+
+
 def _token_bytes(token: str) -> list[int]:
+    if token.startswith(_BYTES_PREFIX):
+        try:
+            return list(bytes.fromhex(token[len(_BYTES_PREFIX) :].replace("\\x", "")))
+        except ValueError:
+            pass
     return list(token.encode("utf-8", errors="replace"))
 
 

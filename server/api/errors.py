@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.engine.types import InvalidRequestError, ModelLoadError, QueueFullError
+from server.engine.types import EngineError, InvalidRequestError, ModelLoadError, QueueFullError
 
 logger = logging.getLogger("mps_serve.api")
 
@@ -62,8 +62,9 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def from_engine_error(exc: Exception) -> APIError:
-    """Map an engine exception raised by submit()/render_chat() to the error a client should see."""
+def from_engine_error(exc: Exception, *, about_input: bool = False) -> APIError:
+    """Map an engine exception to the error a client should see. `about_input`: raised while rendering or
+    submitting the request, so a plain ValueError or a template error is the request's fault (400)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
@@ -73,9 +74,13 @@ def from_engine_error(exc: Exception) -> APIError:
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry_after})
     if isinstance(exc, ModelLoadError):
         return APIError(503, str(exc), code="model_not_loaded")
-    if _is_template_error(exc) or isinstance(exc, ValueError):
+    if about_input and (_is_template_error(exc) or isinstance(exc, ValueError)):
         # A chat template's raise_exception() or a bad value is about the request, not the server.
         return APIError(400, str(exc) or type(exc).__name__, code="invalid_request")
+    if isinstance(exc, EngineError):  # the engine failed mid-request and says why (its messages carry no prompt)
+        logger.error("engine error: %s", exc)
+        return APIError(500, f"The engine failed: {exc}")
+    logger.error("unexpected error while serving a request", exc_info=exc)
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
 
 
@@ -121,7 +126,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        err = from_engine_error(exc)
-        if err.status >= 500:
-            logger.exception("unhandled error while serving a request")
-        return err.response()
+        return from_engine_error(exc).response()

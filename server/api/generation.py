@@ -67,7 +67,6 @@ class Generation:
     def __init__(self, choices: list[Choice], metrics: Metrics, started_at: float):
         self.choices = choices
         self.server_aborted = False  # set when shutdown's grace period ran out
-        self.disconnected = False
         self._metrics = metrics
         self._started_at = started_at
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -93,11 +92,9 @@ class Generation:
                     continue
                 choice.ended = True
                 remaining -= 1
-                if choice.finish_reason is None:
-                    payload = StreamDelta(request_id=getattr(choice.handle, "request_id", ""), text="", token_ids=[])
-                    payload.finish_reason = "abort"
-                else:
+                if choice.finish_reason is not None:
                     continue
+                payload = StreamDelta(choice.handle.request_id, text="", token_ids=[], finish_reason="abort")
             elif choice.finish_reason is not None:
                 continue  # nothing counts after the final delta
             self._observe(choice, payload)

@@ -31,7 +31,8 @@ from server.engine.types import ContextLengthExceededError, InvalidRequestError,
 
 logger = logging.getLogger("mps_serve.api")
 router = APIRouter()
-_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt"}
+# a per-request template is not accepted (vLLM also gates it behind a flag); these would clash with arguments
+_RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "chat_template"}
 
 
 def _state(request: Request) -> ServingState:
@@ -55,7 +56,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
@@ -67,6 +68,11 @@ def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def _keepalive_s(state: ServingState) -> float | None:
+    interval = state.config.keepalive_interval_s
+    return interval if interval and interval > 0 else None  # 0 turns keepalives off
 
 
 def _validate(params: SamplingParams) -> None:
@@ -92,7 +98,7 @@ async def _start(
             engine, prompts, params, n=n, request_id=request_id, max_waiting=state.config.max_waiting_requests,
         )
     except Exception as exc:
-        err = from_engine_error(exc)
+        err = from_engine_error(exc, about_input=True)
         if isinstance(exc, ContextLengthExceededError):
             err.param = prompt_param
         raise err from None
@@ -143,7 +149,7 @@ async def chat_completions(request: Request) -> Response:
         prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
                                     **template_kwargs)
     except Exception as exc:
-        raise from_engine_error(exc) from None
+        raise from_engine_error(exc, about_input=True) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await _start(
         state, engine, [prompt], params, n=req.n, request_id=request_id, started_at=started_at,
@@ -152,7 +158,7 @@ async def chat_completions(request: Request) -> Response:
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
         system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
-        keepalive_s=state.config.keepalive_interval_s, logprobs=req.logprobs,
+        keepalive_s=_keepalive_s(state), logprobs=req.logprobs,
         reasoning_field=state.config.reasoning_field, start_in_reasoning=prompt_opens_reasoning(prompt), tools=tools,
     )
     return await _respond(request, state, ctx, req.stream, stream_chat, collect_chat)
@@ -180,7 +186,7 @@ async def completions(request: Request) -> Response:
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
         system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
-        keepalive_s=state.config.keepalive_interval_s, logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
+        keepalive_s=_keepalive_s(state), logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
     )
     return await _respond(request, state, ctx, req.stream, stream_completion, collect_completion)
 

@@ -189,6 +189,9 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "prompt must not be empty.", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
+        if len(prompt) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompt)} prompts x n={self.n} exceeds {MAX_CHOICES} choices per request.",
+                           param="prompt")
         return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:

@@ -9,7 +9,6 @@ event and the stream closes.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +18,6 @@ from server.api.errors import APIError, from_engine_error
 from server.api.generation import KEEPALIVE, Choice, Generation
 from server.api.sse import DONE, KEEPALIVE_COMMENT, sse_data
 from server.engine.types import StreamDelta, TokenLogprob
-
-logger = logging.getLogger("mps_serve.api")
 
 
 @dataclass
@@ -64,10 +61,7 @@ def _chat_finish_reason(engine_reason: str, parser: ChatOutputParser) -> str:
 
 
 def _stream_error(exc: Exception) -> str:
-    err = from_engine_error(exc)
-    if err.status >= 500 and not isinstance(exc, APIError):
-        logger.error("request failed while streaming: %s: %s", type(exc).__name__, exc)
-    return sse_data(err.body())
+    return sse_data(from_engine_error(exc).body())
 
 
 async def stream_chat(ctx: ResponseContext) -> AsyncIterator[str]:

@@ -95,20 +95,19 @@ def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, reps: int = 10) ->
     src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            times.append(timed(lambda: dst.copy_(src), device)[0])
-    seconds = sorted(times)[len(times) // 2]
-    del src, dst
-    return 2 * numel * 4 / seconds / 1e9
+    times = sorted(_copy_seconds(src, dst) for _ in range(reps))
+    return 2 * numel * 4 / times[len(times) // 2] / 1e9
+
+
+def _copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+    if src.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return timed(lambda: dst.copy_(src), src.device)[0]
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ The format is described in configs/presets/README.md.
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 BENCH_KEYS = {"prompt_len": int, "num_decode_tokens": int, "batch_sizes": list}

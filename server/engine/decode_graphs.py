@@ -34,7 +34,8 @@ def bucket(value: int, sizes: list[int]) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool):
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa"):
+        self.decode_kernel = decode_kernel
         self.model, self.kv_layers, self.device = model, kv_layers, device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
@@ -61,6 +62,7 @@ class DecodeGraphs:
             token_rows=rows,
             token_cols=torch.zeros_like(rows),
             is_decode=True,
+            decode_kernel=self.decode_kernel,
         )
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32

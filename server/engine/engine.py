@@ -131,7 +131,10 @@ class Engine:
             return None
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
-        return DecodeGraphs(self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs)
+        return DecodeGraphs(
+            self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
+            self.config.decode_attention,
+        )
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config

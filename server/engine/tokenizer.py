@@ -143,7 +143,7 @@ class Tokenizer:
         """The template transformers would pick: the only one, or `tool_use` when tools are given, else `default`."""
         template = self.chat_template
         if isinstance(template, dict):
-            if tools and "tool_use" in template:
+            if tools is not None and "tool_use" in template:
                 return template["tool_use"]
             if "default" in template:
                 return template["default"]
@@ -358,8 +358,9 @@ def _prepare_message(message: Any) -> dict:
         message = dataclasses.asdict(message)
     if not isinstance(message, Mapping):
         raise InvalidRequestError(f"Each message must be an object with a role, got {message!r}.", param="messages")
+    null_content = "content" in message and message["content"] is None
     message = {k: v for k, v in message.items() if v is not None}
-    if "content" not in message and message.get("role") is not None:
+    if null_content:
         message["content"] = ""
     if isinstance(message.get("tool_calls"), list):
         message["tool_calls"] = [_parse_tool_call(call) for call in message["tool_calls"]]
@@ -396,8 +397,6 @@ def _plain(value: Any) -> Any:
         return value
     if isinstance(value, str):
         return str.__str__(value)
-    if isinstance(value, bool):
-        return bool(value)
     if isinstance(value, int):
         return int.__int__(value)
     if isinstance(value, float):

@@ -198,6 +198,8 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
     with torch.device("meta"):
         model = module.Model(args).to(dtype)
     model = model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
     for sub in model.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()

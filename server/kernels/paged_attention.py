@@ -22,7 +22,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
     """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V."""
-    if meta.is_decode and torch.compiler.is_compiling():
+    if meta.is_decode and meta.decode_kernel == "reduce" and torch.compiler.is_compiling():
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
     num_seqs, max_blocks = meta.block_tables.shape
     block_size = k_cache.shape[1]

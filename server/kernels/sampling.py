@@ -159,10 +159,11 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
 def exponential_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor, vocab_size: int):
     """Exp(1) draws [B, V] f32, a pure function of (seed, step, vocab index) per row."""
     key = _mix32(_mix32(_mix32(seed_lo ^ _SEED_SALT) ^ seed_hi) ^ step)  # [B]
-    vocab = torch.arange(vocab_size, device=key.device, dtype=torch.int64)
-    bits = _mix32((vocab * _GOLDEN + key.unsqueeze(1)) & _M32)  # [B, V]
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
-    return -torch.log(uniform)
+    spread = torch.arange(0, vocab_size * _GOLDEN, _GOLDEN, device=key.device, dtype=torch.int64)  # [V]
+    bits = _mix32((spread + key.unsqueeze(1)) & _M32)  # [B, V]
+    # 23 bits + 0.5 fit float32's 24-bit mantissa exactly, so u < 1 strictly (24 bits could round up to 1.0)
+    uniform = ((bits >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+    return -torch.log(uniform)  # > 0: the smallest value is -log(1 - 2**-24)
 
 
 def apply_bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -53,6 +53,7 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's slot in the state pool
     state_caches: list[tuple[torch.Tensor, ...]] | None = None  # per state layer: tensors [num_slots, ...]
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
+    decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA) or "reduce" (fused gather)
 
 
 def rope_inv_freq(head_dim: int, rope: dict[str, Any], device: torch.device | str = "cpu") -> torch.Tensor:

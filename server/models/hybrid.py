@@ -281,13 +281,18 @@ class HybridModel(nn.Module):
         self.model = HybridBody(args.vocab_size, args.hidden_size, layers, self.final_norm_name, self.make_norm())
         self.rotary_emb = RotaryEmbedding(head_dim, args.rope_parameters)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         # Per layer: index into kv_caches (attention) or meta.state_caches (state layers).
         self._cache_index = [
             sum(1 for u in layer_types[:i] if (u == ATTENTION) == (t == ATTENTION)) for i, t in enumerate(layer_types)
         ]
         self._skipped_logged: set[str] = set()
+
+    def tie_weights(self) -> None:
+        """LFM2 ties lm_head to the embedding (no lm_head in the checkpoint); the loader calls this again
+        after materializing the model from the meta device."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
         raise NotImplementedError

@@ -121,8 +121,8 @@ def test_hermes_arguments_stream_before_the_call_ends() -> None:
 
 def test_arguments_first_and_string_arguments_are_parsed_at_the_end() -> None:
     args = _random_args(random.Random())
-    odd = '<tool_call>{"arguments": %s, "name": "f"}</tool_call>' % json.dumps(args)
-    as_string = '<tool_call>{"name": "g", "arguments": %s}</tool_call>' % json.dumps(json.dumps(args))
+    odd = '<tool_call>{"arguments": ' + json.dumps(args) + ', "name": "f"}</tool_call>'
+    as_string = '<tool_call>{"name": "g", "arguments": ' + json.dumps(json.dumps(args)) + "}</tool_call>"
     for text in (odd, as_string):
         for i in range(len(text) + 1):
             content, calls, _ = run_tool_parser([text[:i], text[i:]])
@@ -213,3 +213,14 @@ def test_delta_dicts_shapes() -> None:
     for part in parts:
         if isinstance(part, tuple):
             assert not any(m in part[1] for m in MARKUP)
+
+
+def test_logprob_bytes_of_partial_utf8_tokens() -> None:
+    from server.api.chat_output import chat_logprobs
+    from server.engine.types import TokenLogprob, TopLogprob
+
+    raw = bytes(random.Random().randrange(128, 256) for _ in range(3))
+    shown = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    rendered = chat_logprobs([TokenLogprob(5, shown, float("-inf"), [TopLogprob(6, "é", -0.25)])])["content"][0]
+    assert rendered["token"] == shown and rendered["bytes"] == list(raw) and rendered["logprob"] == -9999.0
+    assert rendered["top_logprobs"] == [{"token": "é", "logprob": -0.25, "bytes": list("é".encode())}]

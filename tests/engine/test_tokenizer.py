@@ -37,7 +37,7 @@ def random_text(rng: random.Random, max_len: int = 60) -> str:
         elif kind < 0.93:
             pieces.append(rng.choice(SPECIAL_PIECES))
         else:  # any code point outside the surrogate range
-            code = rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0xFFFD), rng.randint(0x10000, 0x10FFFF)])
+            code = rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0xFFFC), rng.randint(0x10000, 0x10FFFF)])
             pieces.append(chr(code))
     return "".join(pieces)
 
@@ -355,7 +355,8 @@ def test_template_helpers_match_transformers(demo_dir, tmp_path, rng):
         "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ extra | tojson }}|{{ extra | tojson(indent=2) }}|"
         "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m.reasoning_content }}/"
         "{{ m.thinking }};{% endfor %}{{ strftime_now('%Y-%m') }}|{% set ns = namespace(n=0) %}"
-        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|{{ dict(a=1) | tojson }}"
+        "{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|{{ dict(a=1) | tojson }}\n"
+        "  {% if messages %}\n    kept\n  {% endif %}\n"  # trim_blocks / lstrip_blocks whitespace rules
     )
     config = {"chat_template": template, "bos_token": {"content": "<|endoftext|>", "__type": "AddedToken"}}
     model_dir = copy_tokenizer(demo_dir, tmp_path, {**config, "eos_token": "<|im_end|>", "pad_token": "<|im_end|>"})

@@ -1,4 +1,8 @@
-"""Catch host syncs on the CPU: the aten ops behind .item()/.tolist()/nonzero/boolean indexing/multinomial."""
+"""Catch host syncs on the CPU: the aten ops behind .item(), nonzero, boolean-mask indexing, multinomial, bincount.
+
+`.tolist()` / `.cpu()` on a CPU tensor never reach the dispatcher, so they are not seen here; the H200 run of
+benchmarks/kernels.py checks the same code under torch.cuda.set_sync_debug_mode("error").
+"""
 
 from __future__ import annotations
 
@@ -20,7 +24,14 @@ class _SyncDetector(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name in _SYNCING_OPS or name.startswith("_unique"):
             self.seen.append(name)
+        if name in ("index", "index_put", "index_put_") and _has_bool_index(args):
+            self.seen.append(f"{name} with a boolean mask")
         return func(*args, **(kwargs or {}))
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (indices or ()))
 
 
 @contextlib.contextmanager

@@ -76,7 +76,12 @@ def test_moe_experts_matches_hf_qwen3_moe_experts(num_tokens):
     assert _rel_err(moe.moe_experts(x, weights, expert_ids, gate_up, down), ref) < 1e-5
 
 
-PATHS = {"grouped": moe._experts_grouped, "gather_bmm": moe._experts_gather_bmm, "dense": moe._experts_dense}
+PATHS = {
+    "grouped": moe._experts_grouped,
+    "gather_bmm": moe._experts_gather_bmm,
+    "dense": moe._experts_dense,
+    "gather_reduce": moe._experts_gather_reduce,  # compiled-only in use; eager here on tiny shapes is fine
+}
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
@@ -114,8 +119,9 @@ def test_moe_experts_makes_no_host_sync():
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # grouped_mm path, fallback path (fp32 on cpu)
-def test_route_and_experts_compile_fullgraph_on_cpu(dtype):
+# bf16 x 4 tokens: grouped_mm; fp32: fallback (grouped_mm's shape function takes bf16 only); 1 token: gather-reduce
+@pytest.mark.parametrize("dtype,num_tokens", [(torch.bfloat16, 4), (torch.float32, 4), (torch.bfloat16, 1)])
+def test_route_and_experts_compile_fullgraph_on_cpu(dtype, num_tokens):
     gate_up, down = _experts(8, 32, 16, dtype, seed=2)
 
     def block(x, router_logits):
@@ -124,6 +130,6 @@ def test_route_and_experts_compile_fullgraph_on_cpu(dtype):
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
-    x, logits = torch.randn(4, 32).to(dtype), torch.randn(4, 8).to(dtype)
+    x, logits = torch.randn(num_tokens, 32).to(dtype), torch.randn(num_tokens, 8).to(dtype)
     out = compiled(x, logits)
     assert _rel_err(out, block(x, logits)) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -1,0 +1,250 @@
+"""Does streaming keep up? Tokens/s delivered over SSE by a real uvicorn server vs the engine's own tokens/s.
+
+For each number of concurrent streams N (default 1 and 16), with the same N random token-id prompts, greedy,
+ignore_eos, `--max-tokens` new tokens each, best of `--reps`:
+  engine  Engine.generate(N prompts) in this process:            N * max_tokens / wall time
+  async   AsyncEngine.stream() x N on one event loop (no HTTP):   same count / wall time
+  sse     N concurrent POST /v1/completions, stream=true, through create_app + uvicorn on 127.0.0.1, read
+          with httpx: sum of usage.completion_tokens / (last [DONE] - first request sent)
+All three include prefill, so the ratios compare like with like; target: sse >= 98% of engine (issue 5).
+The streamed text is checked against the engine's text for the same prompt.
+
+    python benchmarks/sse_delivery.py --preset tiny-moe --device cpu --streams 1,4 --max-tokens 32
+    python benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 1,16 --json sse.jsonl
+
+A preset gets random weights and a synthetic word-level tokenizer over its whole vocabulary (token i is the
+word `t{i}`), so text flows through the detokenizer and the SSE framing as for a real model. Needs fastapi,
+uvicorn and httpx (the server's dependencies) besides the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from server.bench.measure import synchronize
+from server.bench.presets import load_preset
+from server.bench.run import device_name, random_prompts
+from server.config import EngineConfig
+from server.engine import device as device_mod
+from server.engine.types import SamplingParams
+
+SERVED_NAME = "sse-bench"
+
+
+def write_word_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """tokenizer.json where id i is the word `t{i}` (decoded text: words joined by spaces)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(model_dir / "tokenizer.json"))
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def build_engine(args: argparse.Namespace, max_len: int):
+    from server.engine.engine import Engine
+
+    max_seqs = max(args.streams)
+    if args.model:
+        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max_seqs,
+                              max_model_len=max_len, enable_prefix_caching=False)
+        return Engine.from_config(config)
+    from server.bench.random_model import build_random_model
+    from server.engine.tokenizer import Tokenizer
+
+    hf_config = load_preset(args.preset).hf_config
+    device, _ = device_mod.select_device(args.device)
+    dtype = device_mod.select_dtype(args.dtype, device, hf_config.get("torch_dtype"))
+    model = build_random_model(hf_config, device, dtype, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_word_tokenizer(Path(tmp), int(hf_config["vocab_size"]))
+        tokenizer = Tokenizer.from_pretrained(tmp)
+    config = EngineConfig(model=args.preset, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                          max_num_seqs=max_seqs, max_model_len=max_len, enable_prefix_caching=False)
+    return Engine.from_model(model, config, device, tokenizer=tokenizer, max_model_len=max_len)
+
+
+def engine_rate(engine, prompts: list[list[int]], max_tokens: int, reps: int) -> tuple[float, list[str]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params)  # warm-up: compile / graphs for this batch size
+    best, texts = float("inf"), []
+    for _ in range(reps):
+        synchronize(engine.device)
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        best = min(best, time.perf_counter() - start)
+        texts = [o.text for o in outs]
+    return len(prompts) * max_tokens / best, texts
+
+
+async def _async_once(async_engine, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(prompt: list[int]) -> int:
+        return sum([len(d.token_ids) async for d in async_engine.stream(prompt, params)])
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def async_rate(async_engine, prompts: list[list[int]], max_tokens: int, reps: int) -> float:
+    async_engine.start_thread()
+    return max(asyncio.run(_async_once(async_engine, prompts, max_tokens)) for _ in range(reps))
+
+
+async def _stream_one(client, url: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    text, arrivals, usage, done = [], [], None, False
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[len("data: "):]
+            if payload == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                text.append(chunk["choices"][0]["text"])
+                arrivals.append(time.perf_counter() - start)
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    if not done or usage is None:
+        raise RuntimeError("the stream ended without a usage chunk and [DONE]")
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"text": "".join(text), "tokens": usage["completion_tokens"], "ttft": arrivals[0] if arrivals else None,
+            "mean_gap": sum(gaps) / len(gaps) if gaps else None, "chunks": len(arrivals),
+            "end": time.perf_counter() - start}
+
+
+async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[dict]]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        start = time.perf_counter()
+        streams = await asyncio.gather(*(_stream_one(client, url, p, max_tokens, start) for p in prompts))
+    elapsed = max(s["end"] for s in streams)
+    return sum(s["tokens"] for s in streams) / elapsed, streams
+
+
+def start_server(async_engine):
+    import uvicorn
+
+    from server.api.app import create_app
+    from server.config import ServerConfig
+
+    app = create_app(async_engine, ServerConfig(served_model_name=SERVED_NAME, max_waiting_requests=4096))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    from server.engine.async_engine import AsyncEngine
+
+    max_len = args.prompt_len + args.max_tokens + 16
+    engine = build_engine(args, max_len)
+    batches = {n: random_prompts(n, args.prompt_len, engine.vocab_size, args.seed + n) for n in args.streams}
+    results = {n: {"streams": n} for n in args.streams}
+    texts = {}
+    for n, prompts in batches.items():
+        results[n]["engine_tok_s"], texts[n] = engine_rate(engine, prompts, args.max_tokens, args.reps)
+        print(f"engine N={n}: {results[n]['engine_tok_s']:.1f} tok/s", file=sys.stderr)
+    async_engine = AsyncEngine(engine, max_waiting_requests=4096)
+    for n, prompts in batches.items():
+        results[n]["async_tok_s"] = async_rate(async_engine, prompts, args.max_tokens, args.reps)
+    server, thread, url = start_server(async_engine)
+    try:
+        for n, prompts in batches.items():
+            asyncio.run(_sse_once(url, prompts, args.max_tokens))  # warm-up: connections, first requests
+            best, streams = max((asyncio.run(_sse_once(url, prompts, args.max_tokens)) for _ in range(args.reps)),
+                                key=lambda r: r[0])
+            results[n].update(summarize(best, streams, texts[n], results[n], args.max_tokens))
+            print(f"sse N={n}: {best:.1f} tok/s ({results[n]['sse_vs_engine']:.1%} of the engine)", file=sys.stderr)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    common = {"preset": args.preset, "model": args.model, "device": str(engine.device), "gpu_name": device_name(engine.device),
+              "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
+              "max_tokens": args.max_tokens, "torch_version": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return [{**common, **results[n]} for n in args.streams]
+
+
+def summarize(sse_tok_s: float, streams: list[dict], engine_texts: list[str], result: dict, max_tokens: int) -> dict:
+    gaps = [s["mean_gap"] for s in streams if s["mean_gap"] is not None]
+    return {
+        "sse_tok_s": sse_tok_s,
+        "sse_vs_engine": sse_tok_s / result["engine_tok_s"],
+        "async_vs_engine": result["async_tok_s"] / result["engine_tok_s"],
+        "mean_ttft_s": sum(s["ttft"] for s in streams) / len(streams),
+        "mean_inter_chunk_ms": 1e3 * sum(gaps) / len(gaps) if gaps else None,
+        "chunks_per_stream": sum(s["chunks"] for s in streams) / len(streams),
+        "all_tokens_delivered": all(s["tokens"] == max_tokens for s in streams),
+        "text_matches_engine": [s["text"] for s in streams] == engine_texts,
+    }
+
+
+def print_table(records: list[dict]) -> None:
+    header = f"{'N':>3} {'engine tok/s':>13} {'async tok/s':>12} {'sse tok/s':>10} {'sse/engine':>11} {'ttft ms':>8} {'gap ms':>7}  text"
+    print(header)
+    for r in records:
+        gap = "-" if r["mean_inter_chunk_ms"] is None else f"{r['mean_inter_chunk_ms']:.2f}"
+        print(f"{r['streams']:>3} {r['engine_tok_s']:>13.1f} {r['async_tok_s']:>12.1f} {r['sse_tok_s']:>10.1f} "
+              f"{r['sse_vs_engine']:>10.1%} {r['mean_ttft_s'] * 1e3:>8.1f} {gap:>7}  "
+              f"{'same as engine' if r['text_matches_engine'] else 'DIFFERS from engine'}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id")
+    parser.add_argument("--preset", default=None, help="configs/presets/NAME.toml (random weights)")
+    parser.add_argument("--device", default="auto", choices=["auto", "mps", "cuda", "cpu"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    parser.add_argument("--streams", default="1,16", help="comma-separated numbers of concurrent streams")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="append one JSON object per N")
+    args = parser.parse_args(argv)
+    if (args.model is None) == (args.preset is None):
+        parser.error("give a MODEL or --preset NAME (not both)")
+    args.streams = [int(v) for v in args.streams.split(",") if v.strip()]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    records = run(args)
+    print_table(records)
+    if args.json:
+        with open(args.json, "a") as handle:
+            handle.writelines(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The `mps-serve bench` command line (argparse only: building the parser must stay import-light)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Any
+
+import tomllib
+
+DEFAULT_BATCH_SIZES = (1, 4, 16)
+DEFAULT_PROMPT_LEN = 128
+DEFAULT_DECODE_TOKENS = 128
+
+EPILOG = """\
+Measures through the real Engine: prefill tok/s = B * prompt_len / time(generate 1 token); steady decode
+tok/s = B * (n_long - n_short) / (t_long - t_short) with n_long = decode_tokens + 1, n_short = decode_tokens/2 + 1
+(65 and 129 for 128, as in reference/h200-measurements.md), best of --reps, after one warm-up call whose extra
+time is reported as compile_s. Weights are read once per decode step, so achieved GB/s = bytes per step / step
+time, and roofline_fraction = achieved GB/s / the device copy GB/s measured in the same run.
+With --compare transformers, ours is measured first and freed, then transformers runs the same weights
+(static cache + torch.compile on CUDA, eager elsewhere) and is measured the same way.
+
+examples:
+  mps-serve bench --preset tiny-moe --device cpu --batch-sizes 1,2 --compare transformers
+  mps-serve bench --preset llama-3.1-8b --batch-sizes 1,4,16 --json perf.jsonl --compare transformers
+  mps-serve bench Qwen/Qwen3-30B-A3B --batch-sizes 1 --json perf.jsonl
+"""
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None = None
+    preset: str | None = None
+    batch_sizes: tuple[int, ...] | None = None  # None: the preset's, else DEFAULT_BATCH_SIZES
+    prompt_len: int | None = None
+    decode_tokens: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "none"
+    json_path: str | None = None
+    compare: str | None = None  # None | "transformers"
+    peer_experts: str = "keep-grouped"  # keep-grouped | transformers-default | best
+    reps: int = 3
+    seed: int = 0
+    copy_mib: int | None = None  # None: a size per device type
+    config_file: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return values
+
+
+def _engine_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an EngineConfig field), got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]  # numbers, true/false, quoted strings
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser(
+        "bench",
+        help="decode/prefill speed, fraction of the memory-bandwidth roofline, speedup over transformers",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (or use --preset)")
+    bench.add_argument("--preset", default=None, help="configs/presets/NAME.toml: real shapes, random weights")
+    bench.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,4,16)")
+    bench.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 128)")
+    bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
+    bench.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
+    bench.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    bench.add_argument("--quantize", choices=["none", "fp8"], default="none")
+    bench.add_argument("--json", dest="json_path", default=None, help="append one JSON object per batch size")
+    bench.add_argument("--compare", choices=["transformers"], default=None)
+    bench.add_argument("--peer-experts", choices=["keep-grouped", "transformers-default", "best"],
+                       default="keep-grouped",
+                       help="MoE peer on GPUs: keep grouped_mm experts in decode (measured fastest compiled on "
+                            "the H200), transformers' own switch to batched_mm, or measure both and keep the best")
+    bench.add_argument("--reps", type=int, default=3, help="timed repetitions per length; the minimum is kept")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
+    bench.add_argument("--config", dest="config_file", default=None, help="TOML with an [engine] table")
+    bench.add_argument("--engine-option", action="append", type=_engine_option, default=[], metavar="KEY=VALUE",
+                       help="EngineConfig field override, e.g. compile=off or cuda_graphs=false (repeatable)")
+    return bench
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    if (args.model is None) == (args.preset is None):
+        from server.bench.presets import available_presets
+
+        raise ValueError(
+            "bench needs a MODEL (checkpoint directory or Hub repo id) or --preset NAME, not both; presets: "
+            + ", ".join(available_presets())
+        )
+    if args.reps < 1:
+        raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise ValueError(f"--prompt-len must be at least 1, got {args.prompt_len}")
+    return BenchOptions(
+        model=args.model,
+        preset=args.preset,
+        batch_sizes=args.batch_sizes,
+        prompt_len=args.prompt_len,
+        decode_tokens=args.decode_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        json_path=args.json_path,
+        compare=args.compare,
+        peer_experts=args.peer_experts,
+        reps=args.reps,
+        seed=args.seed,
+        copy_mib=args.copy_mib,
+        config_file=args.config_file,
+        engine_options=dict(args.engine_option),
+    )

@@ -1,0 +1,126 @@
+"""The transformers peer: the same weights in Hugging Face transformers, run in its best mode.
+
+Best mode (reference/h200-measurements.md §4): on CUDA a static cache, which makes generate() torch.compile the
+decode step (inductor, reduce-overhead: CUDA graphs); for MoE models the grouped_mm experts are kept during
+decode (generate() would switch them to batched_mm; compiled, grouped_mm measured ~11% faster on the H200).
+Elsewhere eager with the default dynamic cache (eager static-cache decode measured slower). If compiling
+fails, the peer falls back to eager and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from server.bench.random_model import copy_our_weights_into
+
+log = logging.getLogger(__name__)
+
+NEVER_PRODUCED_ID = 10**9  # eos id outside every vocabulary: generation always runs to max_new_tokens
+
+
+@dataclass
+class PeerMode:
+    static_compile: bool  # static cache + generate()'s auto torch.compile
+    keep_grouped_experts: bool  # override generate()'s grouped_mm -> batched_mm switch in decode
+
+    def describe(self, is_moe: bool) -> str:
+        text = "static cache + torch.compile (transformers auto-compile)" if self.static_compile else "eager, dynamic cache"
+        if is_moe:
+            experts = "grouped_mm kept in decode" if self.keep_grouped_experts else "transformers default experts"
+            text += f", {experts}"
+        return text
+
+
+def build_peer_from_preset(hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
+    """transformers' model of the same config with exactly our random weights (regenerated on the device)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    kept = copy_our_weights_into(model, hf_config, dtype, seed)
+    if kept:
+        log.info("transformers buffers kept as computed: %s", ", ".join(kept))
+    return model.eval()
+
+
+def build_peer_from_checkpoint(model_dir: Path, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=str(device))
+    except (ImportError, ValueError) as exc:  # device_map may need accelerate on some versions
+        log.info("from_pretrained(device_map=%s) failed (%s); loading on the CPU, then moving", device, exc)
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    return model.eval()
+
+
+def best_modes(device: torch.device, is_moe: bool, peer_experts: str) -> list[PeerMode]:
+    """The modes to measure (the fastest is reported)."""
+    if device.type != "cuda":
+        return [PeerMode(static_compile=False, keep_grouped_experts=False)]
+    if not is_moe or peer_experts == "transformers-default":
+        return [PeerMode(True, False)]
+    if peer_experts == "best":
+        return [PeerMode(True, True), PeerMode(True, False)]
+    return [PeerMode(True, True)]
+
+
+class TransformersPeer:
+    def __init__(self, model: nn.Module, mode: PeerMode, max_len: int):
+        self.model, self.mode, self.max_len = model, mode, max_len
+        self.device = next(model.parameters()).device
+        self.set_mode(mode)
+
+    def set_mode(self, mode: PeerMode) -> None:
+        self.mode = mode
+        if mode.keep_grouped_experts:
+            self.model._optimize_model_for_decode = contextlib.nullcontext  # per instance, as the reference did
+        else:
+            self.model.__dict__.pop("_optimize_model_for_decode", None)
+
+    def fall_back_to_eager(self) -> None:
+        self.mode = PeerMode(static_compile=False, keep_grouped_experts=self.mode.keep_grouped_experts)
+
+    def generation_config(self, num_new: int):
+        config = copy.deepcopy(self.model.generation_config)
+        config.max_new_tokens, config.min_new_tokens = num_new, None
+        config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+        config.eos_token_id, config.pad_token_id = NEVER_PRODUCED_ID, 0
+        if self.mode.static_compile:
+            config.cache_implementation, config.disable_compile = "static", False
+            if hasattr(config, "max_cache_len"):  # one cache length for every call: no recompiles between lengths
+                config.max_cache_len = self.max_len
+        else:
+            config.cache_implementation = None
+            config.disable_compile = True
+        return config
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=self.device)  # [B, prompt_len], no padding
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=self.generation_config(num_new)
+        )
+        return out[:, input_ids.shape[1]:].tolist()
+
+    @property
+    def compiled(self) -> bool | None:
+        """Whether transformers holds a compiled forward (None: this version keeps it elsewhere)."""
+        return (getattr(self.model, "_compiled_call", None) is not None) if self.mode.static_compile else False
+
+
+def transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__

@@ -1,0 +1,328 @@
+"""One bench run: copy bandwidth -> our engine at each batch size -> free it -> the transformers peer -> records."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import logging
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from server.bench import measure, report
+from server.bench.options import DEFAULT_BATCH_SIZES, DEFAULT_DECODE_TOKENS, DEFAULT_PROMPT_LEN, BenchOptions
+from server.bench.presets import load_preset
+from server.config import EngineConfig, load_config
+from server.engine import device as device_mod
+
+log = logging.getLogger(__name__)
+
+COPY_MIB = {"cuda": 2048, "mps": 1024, "cpu": 256}  # per buffer; read + written = twice this
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclass
+class Target:
+    """What is measured: a preset (random weights) or a checkpoint."""
+
+    name: str
+    hf_config: dict[str, Any]
+    model_dir: Path | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Series:
+    """One side's measurements: batch size -> rates, and the long run's greedy tokens of sequence 0."""
+
+    rates: dict[int, measure.Rates] = field(default_factory=dict)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    modes: dict[int, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from server.bench.options import options_from_args
+
+    records = run_bench(options_from_args(args))
+    print(report.table(records))
+    return 0
+
+
+def resolve_target(opts: BenchOptions) -> Target:
+    if opts.preset is not None:
+        preset = load_preset(opts.preset)
+        return Target(preset.name, preset.hf_config, None, preset.bench)
+    from server.engine.weights import read_config, resolve_model_path
+
+    model_dir = resolve_model_path(opts.model)
+    return Target(opts.model, read_config(model_dir), model_dir)
+
+
+def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
+    target = resolve_target(opts)
+    batch_sizes = tuple(opts.batch_sizes or target.defaults.get("batch_sizes") or DEFAULT_BATCH_SIZES)
+    prompt_len = opts.prompt_len or target.defaults.get("prompt_len", DEFAULT_PROMPT_LEN)
+    decode_tokens = opts.decode_tokens or target.defaults.get("num_decode_tokens", DEFAULT_DECODE_TOKENS)
+    n_short, n_long = measure.decode_lengths(decode_tokens)
+    device, why = device_mod.select_device(opts.device)
+    checkpoint_dtype = target.hf_config.get("torch_dtype") or target.hf_config.get("dtype")
+    dtype = device_mod.select_dtype(opts.dtype, device, checkpoint_dtype)
+    log.info("bench %s on %s (%s) as %s", target.name, device, why, dtype)
+    prompts = {b: random_prompts(b, prompt_len, int(target.hf_config["vocab_size"]), opts.seed + b) for b in batch_sizes}
+    copy_mib = opts.copy_mib or COPY_MIB.get(device.type, 256)
+    copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
+    calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
+    sides = 2 if opts.compare else 1
+    with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
+        progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
+        ours, weights, info = measure_ours(opts, target, device, dtype, prompts, (n_short, n_long), progress)
+        release(device)
+        peer = measure_peer(opts, target, device, dtype, prompts, (n_short, n_long), progress) if opts.compare else None
+        release(device)
+    common = {
+        "preset": target.name, "model_type": target.hf_config["model_type"], "device": device.type,
+        "gpu_name": device_name(device), "dtype": str(dtype).removeprefix("torch."), "quantize": opts.quantize,
+        "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
+        "copy_gb_s": copy_gb_s, "torch_version": torch.__version__, "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
+    }
+    records = [build_record(common, b, ours, peer, weights, copy_gb_s) for b in batch_sizes]
+    if opts.json_path:
+        report.append_json_lines(opts.json_path, records)
+    return records
+
+
+def build_record(common: dict, batch_size: int, ours: Series, peer: Series | None, weights, copy_gb_s: float) -> dict:
+    record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
+    record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
+    record["sample_token_ids"] = ours.tokens[batch_size]
+    if peer is not None and batch_size in peer.rates:
+        record.update(report.speed_fields(peer.rates[batch_size], weights, copy_gb_s, prefix="peer_"))
+        record["speedup_vs_peer"] = record["decode_tok_s"] / record["peer_decode_tok_s"]
+        record["peer_sample_token_ids"] = peer.tokens[batch_size]
+        record["peer_tokens_match_prefix"] = _common_prefix(ours.tokens[batch_size], peer.tokens[batch_size])
+        record["peer_mode"] = peer.modes[batch_size]
+        record["peer_note"] = "; ".join(peer.notes) or None
+    elif peer is not None:
+        record["peer_decode_tok_s"] = record["speedup_vs_peer"] = None
+        record["peer_note"] = "; ".join(peer.notes) or "the peer was not measured"
+    bad = report.check_finite(record)
+    if bad:
+        log.warning("batch %d: non-positive or non-finite measurements %s", batch_size, bad)
+    return record
+
+
+def measure_ours(opts, target: Target, device, dtype, prompts, lengths, progress) -> tuple[Series, Any, dict]:
+    from server.engine.types import SamplingParams
+
+    progress.set_description(f"ours: building {target.name}")
+    max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
+    config = engine_config(opts, target, device, dtype, max(prompts), max_len)
+    build_s, engine = measure.timed(lambda: _build_engine(opts, target, config, device, dtype, max_len), device)
+    weights = measure.weight_bytes(engine.model)
+    info = {
+        "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
+        "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
+    }
+    progress.write(f"built {target.name} in {build_s:.1f} s: {report.gigabytes(info['weight_bytes_total'])} of weights, "
+                   f"{report.gigabytes(weights.per_token)} read per token at batch 1")
+
+    def generate(batch: list[list[int]], num_new: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+        return [out.token_ids for out in engine.generate(batch, params)]
+
+    series = Series()
+    for batch in prompts.values():
+        measure_series(series, "ours", generate, device, batch, lengths, opts.reps, progress)
+    return series, weights, info
+
+
+def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max_len: int):
+    from server.engine.engine import Engine
+
+    if target.model_dir is not None:
+        return Engine.from_config(config)
+    from server.bench.random_model import build_random_model
+
+    model = quantize(build_random_model(target.hf_config, device, dtype, opts.seed), opts.quantize)
+    return Engine.from_model(model, config, device, max_model_len=max_len)
+
+
+def quantize(model, method: str):
+    """FP8 for random-weight presets goes through the engine's own model quantizer, so the bench measures
+    exactly what serving runs."""
+    if method == "none":
+        return model
+    try:
+        from server.engine.weights import quantize_model
+    except ImportError:
+        raise ValueError(
+            f"--quantize {method} with --preset needs server.engine.weights.quantize_model(model, method), which "
+            "this engine does not have yet; run without --quantize, or bench a checkpoint (MODEL)"
+        ) from None
+    return quantize_model(model, method) or model
+
+
+def engine_config(opts, target: Target, device, dtype, max_batch: int, max_len: int) -> EngineConfig:
+    from server.bench.random_model import empty_model
+    from server.engine.model_runner import KVCache
+
+    base = load_config(opts.config_file).engine
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(opts.engine_options) - names)
+    if unknown:
+        raise ValueError(f"--engine-option: unknown EngineConfig fields {unknown}; valid: {sorted(names)}")
+    block_size = opts.engine_options.get("block_size", base.block_size)
+    max_len = -(-max_len // block_size) * block_size
+    shapes = empty_model(target.hf_config, "meta", dtype).kv_cache_shapes()
+    num_blocks = max_batch * (max_len // block_size) + 2
+    dtype_name = str(dtype).removeprefix("torch.")
+    return dataclasses.replace(
+        base, model=target.name, device=device.type, dtype=dtype_name,
+        quantization=None if opts.quantize == "none" else opts.quantize,
+        max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False,
+        kv_cache_memory_bytes=KVCache.bytes_per_block(shapes, block_size, dtype) * num_blocks,
+        **opts.engine_options,
+    )
+
+
+def measure_peer(opts, target: Target, device, dtype, prompts, lengths, progress) -> Series:
+    from server.bench import peer as peer_mod
+
+    series = Series()
+    progress.set_description("peer: building transformers model")
+    try:
+        if target.model_dir is not None:
+            model = peer_mod.build_peer_from_checkpoint(target.model_dir, device, dtype)
+        else:
+            model = peer_mod.build_peer_from_preset(target.hf_config, device, dtype, opts.seed)
+    except Exception as exc:  # report what we measured of ours even when transformers cannot run the model
+        series.notes.append(f"transformers could not build the model: {type(exc).__name__}: {exc}")
+        progress.write(series.notes[-1])
+        return series
+    if opts.quantize != "none":
+        series.notes.append(f"the peer runs unquantized {str(dtype).removeprefix('torch.')}")
+    is_moe = any(k in target.hf_config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
+    modes = peer_mod.best_modes(device, is_moe, opts.peer_experts)
+    peer = peer_mod.TransformersPeer(model, modes[0], max_len)
+    for batch in prompts.values():
+        try:
+            modes = _measure_peer_batch(series, peer, modes, is_moe, device, batch, lengths, opts.reps, progress)
+        except Exception as exc:  # e.g. out of memory at a large batch: keep the other batch sizes
+            series.notes.append(f"transformers failed at batch {len(batch)}: {type(exc).__name__}: {_first_line(exc)}")
+            progress.write(series.notes[-1])
+    return series
+
+
+def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps, progress) -> list:
+    """Measure each candidate mode at this batch size and keep the fastest; returns the modes still usable."""
+    from server.bench.peer import PeerMode
+
+    best: tuple[measure.Rates, list[int], str] | None = None
+    for mode in modes:
+        peer.set_mode(mode)
+        trial = Series()
+        try:
+            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
+        except Exception as exc:
+            if not mode.static_compile:
+                raise
+            series.notes.append(f"compile failed ({type(exc).__name__}: {_first_line(exc)}); measured eager")
+            progress.write(f"transformers: {series.notes[-1]}")
+            torch.compiler.reset()
+            modes = [PeerMode(False, mode.keep_grouped_experts)]
+            peer.set_mode(modes[0])
+            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
+        rates = trial.rates[len(batch)]
+        if best is None or rates.decode_tok_s > best[0].decode_tok_s:
+            described = peer.mode.describe(is_moe)
+            if peer.mode.static_compile and peer.compiled is False:
+                described += " (transformers did not compile it)"
+            best = (rates, trial.tokens[len(batch)], described)
+    series.rates[len(batch)], series.tokens[len(batch)], series.modes[len(batch)] = best
+    return modes
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def measure_series(series: Series, side: str, generate: GenerateFn, device, batch: list[list[int]],
+                   lengths: tuple[int, int], reps: int, progress) -> None:
+    """Warm-up call at the long length (compile, graphs), then `reps` x (1, n_short, n_long) new tokens; best times."""
+    n_short, n_long = lengths
+    batch_size = len(batch)
+
+    def call(num_new: int, what: str) -> tuple[float, list[list[int]]]:
+        progress.set_description(f"{side} B={batch_size}: {what}")
+        seconds, tokens = measure.timed(lambda: generate(batch, num_new), device)
+        if any(len(t) != num_new for t in tokens):
+            raise RuntimeError(f"{side} returned {[len(t) for t in tokens]} tokens, asked for {num_new} per sequence")
+        progress.update()
+        return seconds, tokens
+
+    progress.write(f"{side} B={batch_size}: first call of {n_long} tokens (compile / warm-up) ...")
+    t_first, _ = call(n_long, "first call (compile / warm-up)")
+    best = {1: float("inf"), n_short: float("inf"), n_long: float("inf")}
+    long_tokens: list[list[int]] = []
+    for rep in range(reps):
+        for num_new in (1, n_short, n_long):
+            seconds, tokens = call(num_new, f"{num_new} tokens, rep {rep + 1}/{reps}")
+            best[num_new] = min(best[num_new], seconds)
+            if num_new == n_long:
+                long_tokens = tokens
+    rates = measure.Rates(batch_size, len(batch[0]), n_short, n_long, t_first, best[1], best[n_short], best[n_long])
+    series.rates[batch_size], series.tokens[batch_size] = rates, long_tokens[0]
+    progress.write(f"{side} B={batch_size}: decode {rates.decode_tok_s:.1f} tok/s ({rates.step_s * 1e3:.2f} ms/step), "
+                   f"prefill {rates.prefill_tok_s:.0f} tok/s, first call {t_first:.1f} s")
+
+
+def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch_size, prompt_len), generator=generator).tolist()
+
+
+def release(device: torch.device) -> None:
+    """Drop compiled graphs (they hold the model) and cached blocks, so the next model fits."""
+    gc.collect()
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        log.info("after release: %.2f GB still allocated on %s", torch.cuda.memory_allocated(device) / 1e9, device)
+    elif device.type == "mps":
+        torch.mps.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple {platform.machine()} (MPS)"
+    return platform.processor() or platform.machine()
+
+
+def _transformers_version(opts: BenchOptions) -> str | None:
+    if not opts.compare:
+        return None
+    from server.bench.peer import transformers_version
+
+    return transformers_version()
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -1,0 +1,202 @@
+"""`mps-serve bench` on the CPU: the records, the byte counts, the exact weight transfer to transformers, presets.
+
+Speed is never asserted; numbers are checked for being measured (positive, finite) and bytes against
+independent counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from server.bench import measure, presets
+from server.bench.peer import build_peer_from_preset
+from server.bench.random_model import build_random_model, empty_model, init_value
+from server.cli import main
+from server.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.weights import read_config
+
+REQUIRED = ["preset", "device", "dtype", "quantize", "batch_size", "prompt_len", "decode_tok_s", "prefill_tok_s",
+            "ms_per_token", "weight_bytes_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction", "compile_s",
+            "torch_version", "gpu_name", "peer_decode_tok_s", "speedup_vs_peer"]
+POSITIVE = ["decode_tok_s", "prefill_tok_s", "ms_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction",
+            "peer_decode_tok_s", "peer_prefill_tok_s", "speedup_vs_peer", "weight_bytes_per_token"]
+
+
+def expected_bytes_per_token(c: dict, itemsize: int) -> int:
+    """Independent count from the config: what one decoded token reads (embedding table excluded)."""
+    hidden, head_dim = c["hidden_size"], c["head_dim"]
+    attention = hidden * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    norms = 2 * hidden + 2 * head_dim  # input/post-attention norms, q/k norms
+    dense_mlp = 3 * hidden * c["intermediate_size"]
+    routed = hidden * c["num_experts"] + c["num_experts_per_tok"] * 3 * hidden * c["moe_intermediate_size"]
+    layers = sum(attention + norms + (dense_mlp if i in c["mlp_only_layers"] else routed)
+                 for i in range(c["num_hidden_layers"]))
+    return (layers + hidden + c["vocab_size"] * hidden) * itemsize  # + final norm + LM head
+
+
+def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    code = main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "8", "--prompt-len",
+                 "16", "--json", str(out), "--compare", "transformers", "--device", "cpu", "--reps", "1",
+                 "--copy-mib", "8"])
+    assert code == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in records] == [1, 2]
+    config = presets.load_preset("tiny-moe").hf_config
+    for r in records:
+        assert not [k for k in REQUIRED if k not in r]
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in POSITIVE), {k: r[k] for k in POSITIVE}
+        assert r["compile_s"] >= 0 and r["dtype"] == "float32" and r["device"] == "cpu"
+        assert r["weight_bytes_per_token"] == expected_bytes_per_token(config, 4)
+        assert r["speedup_vs_peer"] == pytest.approx(r["decode_tok_s"] / r["peer_decode_tok_s"])
+        assert r["roofline_fraction"] == pytest.approx(r["achieved_gb_s"] / r["copy_gb_s"])
+        # Same random weights in both: greedy tokens agree exactly (fp32), which proves the transfer is exact.
+        assert len(r["sample_token_ids"]) == 9
+        assert r["peer_sample_token_ids"] == r["sample_token_ids"]
+    # MoE at batch 2 reads more distinct experts per step than at batch 1.
+    assert records[1]["weight_bytes_per_step"] > records[0]["weight_bytes_per_step"] == records[0]["weight_bytes_per_token"]
+    table = capsys.readouterr().out
+    assert "decode tok/s" in table and "speedup" in table
+
+
+def test_transformers_gets_exactly_our_random_weights():
+    config = presets.load_preset("tiny-moe").hf_config
+    ours = build_random_model(config, torch.device("cpu"), torch.float32, seed=3)
+    engine = Engine.from_model(ours, EngineConfig(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20,
+                                                  max_num_batched_tokens=16), torch.device("cpu"))
+    ids = torch.randint(0, config["vocab_size"], (37,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = engine.score(ids)
+    hf = build_peer_from_preset(config, torch.device("cpu"), torch.float32, seed=3)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert logits.shape == ref.shape == (37, config["vocab_size"])
+    assert (logits - ref).abs().max().item() < 1e-4
+    assert logits.std().item() > 1e-3  # not a degenerate (all-equal) model
+
+
+def test_random_weights_are_deterministic_and_never_zero():
+    a = init_value("model.layers.0.mlp.down_proj.weight", (64, 32), torch.float32, torch.device("cpu"), seed=1)
+    b = init_value("model.layers.0.mlp.down_proj.weight", (64, 32), torch.float32, torch.device("cpu"), seed=1)
+    c = init_value("model.layers.1.mlp.down_proj.weight", (64, 32), torch.float32, torch.device("cpu"), seed=1)
+    norm = init_value("model.layers.0.input_layernorm.weight", (4096,), torch.float32, torch.device("cpu"), seed=1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert a.std().item() == pytest.approx(0.02, rel=0.2) and (a != 0).all()
+    assert norm.mean().item() == pytest.approx(1.0, abs=0.01) and norm.std().item() == pytest.approx(0.02, rel=0.2)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_bytes_count_the_lm_head_once_and_skip_the_embedding(tied):
+    config = dict(presets.load_preset("tiny-moe").hf_config, tie_word_embeddings=tied)
+    model = empty_model(config, "meta", torch.bfloat16)
+    counted = measure.weight_bytes(model)
+    assert counted.per_token == expected_bytes_per_token(config, 2)
+    experts = 2 * 3 * config["hidden_size"] * config["moe_intermediate_size"] * config["num_experts"]
+    assert counted.experts == experts * 2  # two MoE layers, 2 bytes per element
+    assert counted.per_step(10**6) == pytest.approx(counted.dense + counted.experts, rel=1e-9)
+    table = config["vocab_size"] * config["hidden_size"] * 2
+    assert measure.total_weight_bytes(model) == counted.dense + counted.experts + (0 if tied else table)
+
+
+# (total params, params read per token) in billions, from reference/models.md §3 (meta-device counts of HF 5.24).
+REFERENCE_COUNTS = {"llama-3.1-8b": (8.03, 7.50), "qwen3-8b": (8.19, 7.57), "qwen3-30b-a3b": (30.53, 3.04)}
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE_COUNTS))
+def test_real_presets_have_the_reference_parameter_counts(name):
+    model = empty_model(presets.load_preset(name).hf_config, "meta", torch.bfloat16)
+    total, per_token = REFERENCE_COUNTS[name]
+    counted = measure.weight_bytes(model)
+    assert measure.total_weight_bytes(model) / 2e9 == pytest.approx(total, abs=0.006)
+    assert counted.per_token / 2e9 == pytest.approx(per_token, abs=0.006)
+
+
+def _registered_presets() -> list[str]:
+    from server.models.registry import MODEL_MODULES
+
+    return [n for n in presets.available_presets() if presets.load_preset(n).hf_config["model_type"] in MODEL_MODULES]
+
+
+def _normalized(args):
+    rope = dict(args.rope_parameters)
+    rope.setdefault("rope_type", "default")  # transformers spells out the default rope type
+    args.rope_parameters = rope
+    return args
+
+
+@pytest.mark.parametrize("name", _registered_presets())
+def test_preset_builds_the_same_model_args_as_its_config_json(name, tmp_path):
+    import transformers
+
+    hf_config = presets.load_preset(name).hf_config
+    transformers.AutoConfig.for_model(**hf_config).to_json_file(tmp_path / "config.json")
+    from_json = presets.model_args(read_config(tmp_path))
+    assert _normalized(presets.model_args(hf_config)) == _normalized(from_json)
+
+
+def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
+    assert main(["bench", "--preset", "no-such-model"]) == 2
+    assert "available: " in capsys.readouterr().err
+    assert main(["bench", "somedir", "--preset", "tiny-moe"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["bench", "--preset", "tiny-moe", "--device", "cpu", "--engine-option", "no_such=1",
+                 "--copy-mib", "1"]) == 2
+    assert "unknown EngineConfig fields ['no_such']" in capsys.readouterr().err
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nmodel_type = "llama"\n[bench]\nprompt_length = 3\n')
+    with pytest.raises(ValueError, match="unknown \\[bench\\] key 'prompt_length'"):
+        presets.load_preset(str(bad))
+
+
+def test_sse_delivery_script_streams_the_engine_text(tmp_path):
+    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text."""
+    import importlib.util
+    from pathlib import Path
+
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sse_delivery.py"
+    spec = importlib.util.spec_from_file_location("sse_delivery", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "sse.jsonl"
+    argv = ["--preset", "tiny-moe", "--device", "cpu", "--streams", "1,3", "--max-tokens", "6", "--prompt-len", "8",
+            "--reps", "1", "--json", str(out)]
+    assert module.main(argv) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["streams"] for r in records] == [1, 3]
+    for r in records:
+        assert r["all_tokens_delivered"] and r["text_matches_engine"]
+        assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("engine_tok_s", "async_tok_s", "sse_tok_s"))
+
+
+BLOCK_SERVER_DEPS = """
+import sys
+BLOCKED = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai", "starlette", "server.api")
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith(BLOCKED):
+            raise ImportError(f"{name} is blocked: the H200 machine does not have it")
+sys.meta_path.insert(0, Block())
+from server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_bench_runs_without_the_server_dependencies(tmp_path):
+    """The H200 has torch + transformers but no fastapi/uvicorn/pydantic/prometheus_client/openai."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "b.jsonl"
+    argv = ["bench", "--preset", "tiny-moe", "--device", "cpu", "--batch-sizes", "1", "--decode-tokens", "4",
+            "--prompt-len", "8", "--reps", "1", "--copy-mib", "1", "--json", str(out), "--compare", "transformers"]
+    done = subprocess.run([sys.executable, "-c", BLOCK_SERVER_DEPS, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["peer_sample_token_ids"] == record["sample_token_ids"]

@@ -1,0 +1,278 @@
+"""Hybrid architectures (LFM2 short-conv, Qwen3.5 / Qwen3-Next Gated DeltaNet) against transformers on tiny
+random-weight checkpoints (fp32, CPU), and the engine's per-sequence state: chunked prefill, batched decode,
+preemption, abort and prefix reuse of a conversation."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from server.engine.engine import Engine
+from server.engine.model_runner import KVCache
+from server.engine.state_cache import StateSlots
+from server.engine.types import SamplingParams
+from tests.conftest import write_byte_tokenizer
+
+ARCHS = ["lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
+                 kv_cache_memory_bytes=8 << 20)
+
+
+def tiny_hybrid_configs() -> dict:
+    """models.md §4 tiny configs (tie_word_embeddings=True for the LFM2 family, as the real ones)."""
+    import transformers as tf
+
+    c = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=512, tie_word_embeddings=False)
+    hyb = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
+    mrope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+                 mrope_interleaved=True, mrope_section=[2, 1, 1])
+    lt = ["conv", "full_attention", "conv", "full_attention"]
+    lfm = dict(c, tie_word_embeddings=True, num_hidden_layers=4, conv_L_cache=3, layer_types=lt,
+               rope_parameters=dict(rope_type="default", rope_theta=1e6))
+    return {
+        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(lfm, intermediate_size=128, block_auto_adjust_ff_dim=True,
+                                                         block_multiple_of=32)),
+        "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, dict(lfm, **moe, intermediate_size=128,
+                     num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True)),
+        "qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(c, **hyb, intermediate_size=128,
+                         rope_parameters=mrope)),
+        "qwen3_5_moe_text": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(c, **hyb, **moe,
+                             shared_expert_intermediate_size=64, rope_parameters=mrope)),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(c, **hyb, **moe, intermediate_size=128,
+                       shared_expert_intermediate_size=64, norm_topk_prob=True,
+                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))),
+    }
+
+
+def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter and expert_bias random (none at its default). Weights stay at a realistic scale: the
+    chunked and recurrent delta rule round differently, and 0.15-std weights amplify fp32 rounding so much
+    that transformers' own chunked-cache and full forwards differ by 2e-4."""
+    gen = torch.Generator().manual_seed(seed)
+    zero_centered = type(model).__name__.startswith("Qwen3")
+
+    def randn(shape, std):
+        return std * torch.randn(shape, generator=gen)
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.empty(param.shape).uniform_(1, 16, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                param.copy_(randn(param.shape, 0.5))
+            elif "norm" in name:  # zero-centred norms store offsets; the GDN output norm is plain
+                plain = not zero_centered or name.endswith("linear_attn.norm.weight")
+                param.copy_((1.0 if plain else 0.0) + randn(param.shape, 0.1))
+            elif "conv" in name:
+                param.copy_(randn(param.shape, 0.3))
+            elif "embed" in name:
+                param.copy_(randn(param.shape, 0.3))
+            else:
+                param.copy_(randn(param.shape, 0.05))
+        for name, buf in model.named_buffers():
+            if "expert_bias" in name:
+                buf.copy_(randn(buf.shape, 0.5))
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory):
+    """Factory: arch -> (checkpoint dir written by save_pretrained, per-expert and sharded; HF model)."""
+    cache: dict = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            cfg_cls, model_cls, kwargs = tiny_hybrid_configs()[arch]
+            cfg = cfg_cls(**kwargs)
+            cfg._attn_implementation = "eager"
+            torch.manual_seed(0)
+            model = model_cls(cfg).eval()
+            randomize_hybrid(model, seed=len(arch))
+            path = tmp_path_factory.mktemp(arch)
+            model.save_pretrained(path, max_shard_size="200KB")
+            write_byte_tokenizer(path)
+            cache[arch] = (path, model)
+        return cache[arch]
+
+    return make
+
+
+def make_engine(path, **kw) -> Engine:
+    return Engine.from_pretrained(str(path), **{**ENGINE_KW, **kw})
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
+    config = copy.deepcopy(hf_model.generation_config)
+    config.eos_token_id, config.pad_token_id = 10**6, 0  # an id outside the vocab: never produced
+    config.max_new_tokens, config.do_sample = num_new, False
+    out = hf_model.generate(torch.tensor([ids]), generation_config=config)
+    return out[0, len(ids):].tolist()
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_match_transformers_over_gdn_chunks(arch, hybrid_checkpoint):
+    path, hf_model = hybrid_checkpoint(arch)
+    ids = random_ids(150, seed=3)  # more than two 64-token GDN chunks
+    ref = hf_logits(hf_model, ids)
+    for budget in (16, 256):  # ten prefill steps carrying the states, then the whole prompt in one step
+        ours = make_engine(path, max_num_batched_tokens=budget).score(ids)
+        assert ours.shape == ref.shape == (150, 256)
+        assert (ours - ref).abs().max().item() < 1e-4, budget
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_generate_and_cached_decode_matches_full_forward(arch, hybrid_checkpoint):
+    path, hf_model = hybrid_checkpoint(arch)
+    engine = make_engine(path)
+    ids = random_ids(37, seed=7)
+    out = engine.generate(ids, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0))
+    assert out.token_ids == hf_greedy(hf_model, ids, 24)
+    # Each decoded token's logprob (prefill + 23 cached decode steps) against one full forward of the text.
+    full = torch.log_softmax(engine.score(ids + out.token_ids[:-1]), dim=-1)[len(ids) - 1 :]
+    chosen = full.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    decoded = torch.tensor([lp.logprob for lp in out.logprobs])
+    assert (chosen - decoded).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text", "qwen3_next"])
+def test_batch_of_different_lengths_gives_each_single_result(arch, hybrid_checkpoint):
+    path, _ = hybrid_checkpoint(arch)
+    engine = make_engine(path, enable_prefix_caching=False)
+    prompts = [random_ids(n, seed=n) for n in (3, 17, 70, 9)]
+    batched = engine.generate(prompts, GREEDY)  # prefill rows and decode rows share steps
+    for prompt, out in zip(prompts, batched, strict=True):
+        assert out.token_ids == engine.generate(prompt, GREEDY).token_ids
+
+
+def _rewrite_checkpoint(src: Path, dst: Path, prefix: str, nest_text_config: str | None) -> None:
+    """Fused experts (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`), the text weights
+    under `prefix`, vision / MTP tensors beside them and, optionally, the config nested as the VLM writes it."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+            i = parts.index("experts")
+            experts.setdefault(".".join(parts[: i + 1]), {}).setdefault(int(parts[i + 1]), {})[parts[i + 2]] = t
+        else:
+            out[name] = t
+    for base, per_expert in experts.items():
+        gate, up, down = ("w1", "w3", "w2") if "w1" in per_expert[0] else ("gate_proj", "up_proj", "down_proj")
+        ids = sorted(per_expert)
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([per_expert[e][gate], per_expert[e][up]]) for e in ids])
+        out[f"{base}.down_proj"] = torch.stack([per_expert[e][down] for e in ids])
+    out = {(prefix + n[len("model."):] if n.startswith("model.") else n): t.contiguous() for n, t in out.items()}
+    out["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    out["mtp.layers.0.mlp.gate.weight"] = torch.zeros(2, 4)
+    dst.mkdir()
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    if nest_text_config:
+        config = {"model_type": nest_text_config, "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                  "tie_word_embeddings": False, "text_config": config, "vision_config": {"depth": 1}}
+    (dst / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (dst / name).write_bytes((src / name).read_bytes())
+
+
+@pytest.mark.parametrize(
+    ("arch", "prefix", "nested"),
+    [("qwen3_5_moe_text", "model.language_model.", "qwen3_5_moe"), ("lfm2_moe", "model.", None)],
+)
+def test_fused_experts_and_language_model_prefix_load(arch, prefix, nested, hybrid_checkpoint, tmp_path):
+    path, hf_model = hybrid_checkpoint(arch)
+    fused = tmp_path / "fused"
+    _rewrite_checkpoint(path, fused, prefix, nested)
+    ids = random_ids(40, seed=5)
+    ours = make_engine(fused).score(ids)
+    assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text", "qwen3_next"])
+def test_conversation_reuses_state_and_matches_cold_run(arch, hybrid_checkpoint):
+    path, _ = hybrid_checkpoint(arch)
+    warm, cold = make_engine(path), make_engine(path, enable_prefix_caching=False)
+    prompt = random_ids(30, seed=21)
+    for turn in range(3):
+        out = warm.generate(prompt, GREEDY)
+        assert out.token_ids == cold.generate(prompt, GREEDY).token_ids
+        if turn:  # the previous turns' states come from a snapshot, their KV from the prefix cache
+            assert out.cached_tokens >= len(prompt) - 20
+        prompt = prompt + out.token_ids + random_ids(7, seed=22 + turn)  # the next user message
+    # Without its state snapshot a hybrid must not take the KV prefix hit: it recomputes from 0.
+    slots = warm.scheduler.state_slots
+    slots.slot_of_hash.clear()
+    out = warm.generate(prompt, GREEDY)
+    assert out.cached_tokens == 0
+    assert out.token_ids == cold.generate(prompt, GREEDY).token_ids
+
+
+def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
+    path, _ = hybrid_checkpoint("qwen3_5_text")
+    probe = make_engine(path, enable_prefix_caching=False)
+    per_block = KVCache.bytes_per_block(probe.model.kv_cache_shapes(), 4, torch.float32)
+    # 4 requests of 60 tokens need 60 blocks; 24 fit, so running requests get preempted and recomputed.
+    engine = make_engine(path, enable_prefix_caching=False, kv_cache_memory_bytes=probe._state_bytes + 24 * per_block)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    prompts = [random_ids(40, seed=30 + i) for i in range(4)]
+    requests = [engine.make_request(p, copy.copy(params)) for p in prompts]
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished:
+        engine.step()
+    assert any(r.num_preemptions for r in requests)
+    for prompt, request in zip(prompts, requests, strict=True):
+        assert request.output_token_ids == probe.generate(prompt, params).token_ids
+    aborted = engine.make_request(prompts[0], copy.copy(params))
+    engine.add_request(aborted)
+    for _ in range(3):
+        engine.step()
+    engine.abort(aborted.request_id)
+    while engine.has_unfinished:
+        engine.step()
+    slots = engine.scheduler.state_slots
+    assert sorted(slots.free_live) == list(range(slots.num_live)) and aborted.state_slot is None
+
+
+def test_state_slots_snapshot_bookkeeping():
+    slots = StateSlots(num_live=2, num_snapshots=2, block_size=4)
+    h = [bytes([i]) * 16 for i in range(6)]
+    live = slots.admit()
+    assert slots.plan("a", h[:1], 0) == (None, None)  # position 0: reset, nothing to save
+    assert slots.plan("a", h[:1], 3) == (None, None)  # not a block boundary
+    _, first = slots.plan("a", h[:2], 8)  # boundary after block 2: saved under its hash
+    _, rolled = slots.plan("a", h[:3], 12)
+    assert first == rolled and slots.slot_of_hash == {h[2]: rolled}  # one rolling snapshot per sequence
+    slots.release("a", live)
+    assert slots.match("b", h[:5]) == 3 and slots.plan("b", h[:3], 12) == (rolled, None)
+    assert slots.match("c", h[:2]) == 0  # no snapshot ends there: no prefix reuse at all
+    # Pinned (a restore still to run) snapshots are never overwritten or evicted.
+    assert slots.match("d", h[:3]) == 3
+    _, other = slots.plan("e", h[:5], 20)
+    _, none_left = slots.plan("f", h[:6], 24)
+    assert other != rolled and none_left is None
+    slots.release("d", None)  # the restore was dropped: the snapshot becomes evictable
+    _, evicted = slots.plan("f", h[:6], 24)
+    assert evicted == rolled and h[2] not in slots.slot_of_hash
