@@ -120,9 +120,13 @@ def bench_gemv_shape(num_out: int, num_in: int, copy_gbps: float, rows: list[dic
     variants = {
         "bf16 F.linear": (lambda i: linear(x, weights[i % copies]), bf16_bytes),
         "fp8 fp8_linear (x quantized once, outside)": (
-            lambda i: fp8_linear(x_fp8, x_scale, *quant[i % copies], None, torch.bfloat16), fp8_bytes),
+            lambda i: fp8_linear(x_fp8, x_scale, *quant[i % copies], None, torch.bfloat16),
+            fp8_bytes,
+        ),
         "fp8 quantize_activation + fp8_linear": (
-            lambda i: fp8_linear(*quantize_activation(x), *quant[i % copies], None, torch.bfloat16), fp8_bytes),
+            lambda i: fp8_linear(*quantize_activation(x), *quant[i % copies], None, torch.bfloat16),
+            fp8_bytes,
+        ),
     }
     bf16_graph = None
     for name, (fn, nbytes) in variants.items():
@@ -132,10 +136,22 @@ def bench_gemv_shape(num_out: int, num_in: int, copy_gbps: float, rows: list[dic
         bf16_graph = bf16_graph or graph_us
         gbps = nbytes / (fastest * 1e-6) / 1e9
         ratio = bf16_graph / graph_us if isinstance(graph_us, float) else float("nan")
-        print(f"| {num_out}x{num_in} | {name} | {fmt(graph_us)} | {fmt(eager_us)} | {gbps:.0f} | "
-              f"{100 * gbps / copy_gbps:.0f}% | {ratio:.2f} | {err:.1e} |")
-        rows.append(dict(section="gemv", shape=[num_out, num_in], variant=name, graph_us=graph_us,
-                         eager_us=eager_us, gbps=gbps, pct_copy=100 * gbps / copy_gbps, rel_err=err))
+        print(
+            f"| {num_out}x{num_in} | {name} | {fmt(graph_us)} | {fmt(eager_us)} | {gbps:.0f} | "
+            f"{100 * gbps / copy_gbps:.0f}% | {ratio:.2f} | {err:.1e} |"
+        )
+        rows.append(
+            dict(
+                section="gemv",
+                shape=[num_out, num_in],
+                variant=name,
+                graph_us=graph_us,
+                eager_us=eager_us,
+                gbps=gbps,
+                pct_copy=100 * gbps / copy_gbps,
+                rel_err=err,
+            )
+        )
 
 
 def loop_experts(x, weights, expert_ids, gate_up, down):
@@ -209,8 +225,20 @@ def moe_stage_inputs(layers, xs) -> list[dict]:
         hidden = compat.grouped_mm(x_sorted, layer["gate_up"].transpose(-2, -1), offs)
         act = moe.swiglu(hidden)
         y_sorted = compat.grouped_mm(act, layer["down"].transpose(-2, -1), offs)
-        stages.append(dict(layer=layer, x=x, weights=weights, expert_ids=expert_ids, order=order, offs=offs,
-                           x_sorted=x_sorted, hidden=hidden, act=act, y_sorted=y_sorted))
+        stages.append(
+            dict(
+                layer=layer,
+                x=x,
+                weights=weights,
+                expert_ids=expert_ids,
+                order=order,
+                offs=offs,
+                x_sorted=x_sorted,
+                hidden=hidden,
+                act=act,
+                y_sorted=y_sorted,
+            )
+        )
     return stages
 
 
@@ -220,29 +248,38 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
 
     variants = {
         "stage: routing (router F.linear + softmax + top-k)": at(
-            lambda s: moe.route_softmax(F.linear(s["x"], s["layer"]["router"]), TOP_K, True)),
+            lambda s: moe.route_softmax(F.linear(s["x"], s["layer"]["router"]), TOP_K, True)
+        ),
         "stage: sort + searchsorted int32 offsets": at(lambda s: moe.sort_by_expert(s["expert_ids"], NUM_EXPERTS)),
         "stage: gather tokens (index_select)": at(lambda s: s["x"].index_select(0, s["order"] // TOP_K)),
         "stage: grouped_mm gate_up": at(
-            lambda s: compat.grouped_mm(s["x_sorted"], s["layer"]["gate_up"].transpose(-2, -1), s["offs"])),
+            lambda s: compat.grouped_mm(s["x_sorted"], s["layer"]["gate_up"].transpose(-2, -1), s["offs"])
+        ),
         "stage: silu(gate) * up": at(lambda s: moe.swiglu(s["hidden"])),
         "stage: grouped_mm down": at(
-            lambda s: compat.grouped_mm(s["act"], s["layer"]["down"].transpose(-2, -1), s["offs"])),
+            lambda s: compat.grouped_mm(s["act"], s["layer"]["down"].transpose(-2, -1), s["offs"])
+        ),
         "stage: weighted unpermute (index_copy + bmm)": at(
-            lambda s: moe.combine_slots(s["y_sorted"], s["order"], s["weights"])),
+            lambda s: moe.combine_slots(s["y_sorted"], s["order"], s["weights"])
+        ),
         "layer: route + moe_experts (grouped_mm)": lambda i: moe_layer(xs[i % NUM_INPUTS], layers[i % NUM_LAYERS]),
         "layer: route + moe_experts_fp8 (scaled_grouped_mm)": lambda i: moe_layer_fp8(
-            xs[i % NUM_INPUTS], layers_fp8[i % NUM_LAYERS]),
+            xs[i % NUM_INPUTS], layers_fp8[i % NUM_LAYERS]
+        ),
     }
     fallback = moe._experts_gather_bmm if num_tokens * TOP_K <= NUM_EXPERTS else moe._experts_dense
     variants[f"layer: fallback {fallback.__name__} (no grouped_mm)"] = at(
-        lambda s: fallback(s["x"], s["weights"], s["expert_ids"], s["layer"]["gate_up"], s["layer"]["down"]))
+        lambda s: fallback(s["x"], s["weights"], s["expert_ids"], s["layer"]["gate_up"], s["layer"]["down"])
+    )
     if use_compile:
         path = "gather-reduce" if moe.few_slots(num_tokens * TOP_K, NUM_EXPERTS) else "grouped_mm"
         for label, fn, weights in (
             (f"route + moe_experts ({path})", moe_layer, layers),
-            (f"route + moe_experts_fp8 ({path if path == 'gather-reduce' else 'scaled_grouped_mm'})",
-             moe_layer_fp8, layers_fp8),
+            (
+                f"route + moe_experts_fp8 ({path if path == 'gather-reduce' else 'scaled_grouped_mm'})",
+                moe_layer_fp8,
+                layers_fp8,
+            ),
             ("route + grouped_mm path forced", moe_layer_grouped, layers),
         ):
             variants[f"layer: torch.compile({label})"] = compiled_layer(fn, xs, weights)
@@ -259,16 +296,33 @@ def bench_moe(num_tokens: int, layers, layers_fp8, copy_gbps: float, use_compile
     stages = moe_stage_inputs(layers, xs)
     distinct = sum(torch.unique(s["expert_ids"]).numel() for s in stages) / NUM_INPUTS
     expert_bytes = 3 * INTER * HIDDEN * 2
-    ref = moe.moe_experts_reference(xs[0].double(), stages[0]["weights"].double(), stages[0]["expert_ids"],
-                                    layers[0]["gate_up"].double(), layers[0]["down"].double())
-    print(f"\n## MoE layer, Qwen3-30B-A3B shape, tokens = {num_tokens}: {distinct:.1f} distinct experts, "
-          f"{distinct * expert_bytes / 1e6:.0f} MB of bf16 expert weights per call")
+    ref = moe.moe_experts_reference(
+        xs[0].double(),
+        stages[0]["weights"].double(),
+        stages[0]["expert_ids"],
+        layers[0]["gate_up"].double(),
+        layers[0]["down"].double(),
+    )
+    print(
+        f"\n## MoE layer, Qwen3-30B-A3B shape, tokens = {num_tokens}: {distinct:.1f} distinct experts, "
+        f"{distinct * expert_bytes / 1e6:.0f} MB of bf16 expert weights per call"
+    )
     print("| variant | graph us | eager us | expert GB/s | % of copy | x vs loop | rel err vs fp64 loop |")
     print("|---|---|---|---|---|---|---|")
     loop_us = time_eager(lambda i: moe_layer_loop(xs[i % NUM_INPUTS], layers[i % NUM_LAYERS]), calls=5, reps=3)
     outputs = {"loop over experts (.tolist() host sync)": moe_layer_loop(xs[0], layers[0])}
-    _print_moe_row("loop over experts (.tolist() host sync)", "not capturable", loop_us, distinct * expert_bytes, loop_us, outputs,
-                   ref, num_tokens, rows, copy_gbps)
+    _print_moe_row(
+        "loop over experts (.tolist() host sync)",
+        "not capturable",
+        loop_us,
+        distinct * expert_bytes,
+        loop_us,
+        outputs,
+        ref,
+        num_tokens,
+        rows,
+        copy_gbps,
+    )
     for name, fn in moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile).items():
         start = time.monotonic()
         try:
@@ -280,8 +334,19 @@ def bench_moe(num_tokens: int, layers, layers_fp8, copy_gbps: float, use_compile
         graph_us, eager_us = time_graph(fn, calls=20), time_eager(fn, calls=20)
         nbytes = distinct * expert_bytes * (0.5 if "fp8" in name else 1.0) if name.startswith("layer") else None
         outputs[name] = out if name.startswith("layer") else None
-        _print_moe_row(name + compile_note, graph_us, eager_us, nbytes, loop_us, outputs, ref, num_tokens, rows,
-                       copy_gbps, key=name)
+        _print_moe_row(
+            name + compile_note,
+            graph_us,
+            eager_us,
+            nbytes,
+            loop_us,
+            outputs,
+            ref,
+            num_tokens,
+            rows,
+            copy_gbps,
+            key=name,
+        )
 
 
 def _print_moe_row(name, graph_us, eager_us, nbytes, loop_us, outputs, ref, num_tokens, rows, copy_gbps, key=None):
@@ -292,8 +357,17 @@ def _print_moe_row(name, graph_us, eager_us, nbytes, loop_us, outputs, ref, num_
     gb_text = f"{gbps:.0f} | {100 * gbps / copy_gbps:.0f}%" if gbps else " | "
     speedup = f"{loop_us / fastest:.1f}" if (key or name).startswith("layer") else ""
     print(f"| {name} | {fmt(graph_us)} | {fmt(eager_us)} | {gb_text} | {speedup} | {err} |")
-    rows.append(dict(section="moe", num_tokens=num_tokens, variant=name, graph_us=graph_us, eager_us=eager_us,
-                     gbps=gbps, rel_err=err))
+    rows.append(
+        dict(
+            section="moe",
+            num_tokens=num_tokens,
+            variant=name,
+            graph_us=graph_us,
+            eager_us=eager_us,
+            gbps=gbps,
+            rel_err=err,
+        )
+    )
 
 
 VOCAB = 128256
@@ -309,15 +383,24 @@ def sampling_variants(num_rows: int) -> dict[str, Callable[[int], object]]:
     greedy, plain = batch_of(temperature=0.0), batch_of(temperature=0.8)
     top_k, top_p = batch_of(temperature=0.8, top_k=50), batch_of(temperature=0.8, top_k=50, top_p=0.9)
     min_p = batch_of(temperature=0.8, min_p=0.05)
-    penalties = batch_of(temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
-                         logit_bias={13: 2.0}, prompt_token_ids=list(range(0, 4000, 3)),
-                         output_token_ids=list(range(50, 300)), num_logprobs=5)
+    penalties = batch_of(
+        temperature=0.8,
+        repetition_penalty=1.1,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        logit_bias={13: 2.0},
+        prompt_token_ids=list(range(0, 4000, 3)),
+        output_token_ids=list(range(50, 300)),
+        num_logprobs=5,
+    )
     return {
         "softmax": lambda i: torch.softmax(logits[i % 4], dim=-1),
         "baseline: softmax(l/T) + torch.multinomial": lambda i: torch.multinomial(
-            torch.softmax(logits[i % 4] / 0.8, dim=-1), 1),
+            torch.softmax(logits[i % 4] / 0.8, dim=-1), 1
+        ),
         "baseline: softmax(l/T) / exponential_() race": lambda i: torch.argmax(
-            torch.softmax(logits[i % 4] / 0.8, dim=-1) / torch.empty_like(logits[i % 4]).exponential_(), dim=-1),
+            torch.softmax(logits[i % 4] / 0.8, dim=-1) / torch.empty_like(logits[i % 4]).exponential_(), dim=-1
+        ),
         "sample: greedy (all rows)": lambda i: sampling.sample(logits[i % 4], greedy),
         "sample: temperature (hash noise + race)": lambda i: sampling.sample(logits[i % 4], plain),
         "sample: temperature + top-k 50": lambda i: sampling.sample(logits[i % 4], top_k),
@@ -343,8 +426,7 @@ def bench_sampling(rows: list[dict], use_compile: bool) -> None:
                 continue
             graph_us, eager_us = time_graph(fn, calls=50), time_eager(fn, calls=50)
             print(f"| {name} | {fmt(graph_us)} | {fmt(eager_us)} |")
-            rows.append(dict(section="sampling", num_rows=num_rows, variant=name, graph_us=graph_us,
-                             eager_us=eager_us))
+            rows.append(dict(section="sampling", num_rows=num_rows, variant=name, graph_us=graph_us, eager_us=eager_us))
 
 
 def compiled_sample(num_rows: int) -> Callable[[int], object]:
@@ -359,20 +441,33 @@ def sync_check(layers, layers_fp8) -> list[str]:
     """Run the decode-step kernels under set_sync_debug_mode('error'): any host sync raises."""
     x = torch.randn(4, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     logits = torch.randn(4, VOCAB, device=DEVICE)
-    rows = [sampling.SamplingRow(t, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.1, seed=s,
-                                 output_token_ids=[1, 2, 3], logit_bias={5: 1.0}, num_logprobs=2)
-            for s, t in enumerate((0.0, 0.7, 1.0, 1.3))]
+    rows = [
+        sampling.SamplingRow(
+            t,
+            top_k=40,
+            top_p=0.9,
+            min_p=0.02,
+            repetition_penalty=1.1,
+            seed=s,
+            output_token_ids=[1, 2, 3],
+            logit_bias={5: 1.0},
+            num_logprobs=2,
+        )
+        for s, t in enumerate((0.0, 0.7, 1.0, 1.3))
+    ]
     batch = sampling.build_sampling_batch(rows, VOCAB, DEVICE)
     greedy = sampling.build_sampling_batch([sampling.SamplingRow(0.0)] * 4, VOCAB, DEVICE)
     checks = {
         "route_softmax + moe_experts": lambda: moe_layer(x, layers[0]),
         "route_softmax + moe_experts_fp8": lambda: moe_layer_fp8(x, layers_fp8[0]),
         "route_sigmoid_bias": lambda: moe.route_sigmoid_bias(
-            F.linear(x, layers[0]["router"]), torch.zeros(NUM_EXPERTS, device=DEVICE), TOP_K, True, 2.5),
+            F.linear(x, layers[0]["router"]), torch.zeros(NUM_EXPERTS, device=DEVICE), TOP_K, True, 2.5
+        ),
         "sample (all filters, penalties, bias, logprobs)": lambda: sampling.sample(logits, batch),
         "sample (greedy)": lambda: sampling.sample(logits, greedy),
         "fp8 quantize_activation + fp8_linear": lambda: fp8_linear(
-            *quantize_activation(x), *quantize_fp8_rowwise(layers[0]["router"]), None, torch.bfloat16),
+            *quantize_activation(x), *quantize_fp8_rowwise(layers[0]["router"]), None, torch.bfloat16
+        ),
         "build_sampling_batch (host->device, pinned)": lambda: sampling.build_sampling_batch(rows, VOCAB, DEVICE),
     }
     results = []
@@ -393,10 +488,30 @@ def sync_check(layers, layers_fp8) -> list[str]:
 def parity_check() -> list[str]:
     """The sampler on the GPU against its per-row twin, and the noise against the CPU's, bit for bit."""
     vocab = 32000
-    rows = [sampling.SamplingRow(t, top_k=k, top_p=p, min_p=m, seed=11 * b, step=b, repetition_penalty=1.2,
-                                 output_token_ids=[5, 6, 6], prompt_token_ids=[1, 2], num_logprobs=3)
-            for b, (t, k, p, m) in enumerate([(0.0, 0, 1.0, 0.0), (0.7, 40, 1.0, 0.0), (1.0, 0, 0.9, 0.0),
-                                              (1.3, 0, 1.0, 0.1), (0.9, 100, 0.8, 0.05), (1.0, 0, 1.0, 0.0)])]
+    rows = [
+        sampling.SamplingRow(
+            t,
+            top_k=k,
+            top_p=p,
+            min_p=m,
+            seed=11 * b,
+            step=b,
+            repetition_penalty=1.2,
+            output_token_ids=[5, 6, 6],
+            prompt_token_ids=[1, 2],
+            num_logprobs=3,
+        )
+        for b, (t, k, p, m) in enumerate(
+            [
+                (0.0, 0, 1.0, 0.0),
+                (0.7, 40, 1.0, 0.0),
+                (1.0, 0, 0.9, 0.0),
+                (1.3, 0, 1.0, 0.1),
+                (0.9, 100, 0.8, 0.05),
+                (1.0, 0, 1.0, 0.0),
+            ]
+        )
+    ]
     mismatches, total = 0, 0
     for trial in range(20):
         for row in rows:
@@ -409,8 +524,10 @@ def parity_check() -> list[str]:
     lo = torch.arange(8)
     cpu = sampling.exponential_noise(lo, lo * 3, lo + 5, 4096)
     gpu = sampling.exponential_noise(lo.to(DEVICE), (lo * 3).to(DEVICE), (lo + 5).to(DEVICE), 4096).cpu()
-    return [f"sample vs sample_reference on cuda: {total - mismatches}/{total} tokens equal",
-            f"exponential_noise cuda == cpu bit for bit: {torch.equal(cpu, gpu)}"]
+    return [
+        f"sample vs sample_reference on cuda: {total - mismatches}/{total} tokens equal",
+        f"exponential_noise cuda == cpu bit for bit: {torch.equal(cpu, gpu)}",
+    ]
 
 
 def streams_check() -> str:

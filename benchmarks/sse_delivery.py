@@ -9,12 +9,12 @@ ignore_eos, `--max-tokens` new tokens each, best of `--reps`:
 All three include prefill, so the ratios compare like with like; target: sse >= 98% of engine (issue 5).
 The streamed text is checked against the engine's text for the same prompt.
 
-    python benchmarks/sse_delivery.py --preset tiny-moe --device cpu --streams 1,4 --max-tokens 32
-    python benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 1,16 --json sse.jsonl
+    PYTHONPATH=. python3 benchmarks/sse_delivery.py --preset tiny-moe --device cpu --streams 1,4 --max-tokens 32
+    PYTHONPATH=. python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 1,16 --json sse.jsonl
 
 A preset gets random weights and a synthetic word-level tokenizer over its whole vocabulary (token i is the
-word `t{i}`), so text flows through the detokenizer and the SSE framing as for a real model. Needs fastapi,
-uvicorn and httpx (the server's dependencies) besides the engine's.
+word `t{i}`), so text flows through the detokenizer and the SSE framing as for a real model. Needs the server's
+dependencies (fastapi, uvicorn, pydantic, prometheus_client) and httpx besides the engine's.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     finally:
         server.should_exit = True
         thread.join(timeout=60)
-    common = {"preset": args.preset, "model": args.model, "device": str(engine.device), "gpu_name": device_name(engine.device),
+    common = {"preset": args.preset, "model": args.model, "device": str(engine.device),
+              "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -208,8 +209,8 @@ def summarize(sse_tok_s: float, streams: list[dict], engine_texts: list[str], re
 
 
 def print_table(records: list[dict]) -> None:
-    header = f"{'N':>3} {'engine tok/s':>13} {'async tok/s':>12} {'sse tok/s':>10} {'sse/engine':>11} {'ttft ms':>8} {'gap ms':>7}  text"
-    print(header)
+    print(f"{'N':>3} {'engine tok/s':>13} {'async tok/s':>12} {'sse tok/s':>10} {'sse/engine':>11} {'ttft ms':>8} "
+          f"{'gap ms':>7}  text")
     for r in records:
         gap = "-" if r["mean_inter_chunk_ms"] is None else f"{r['mean_inter_chunk_ms']:.2f}"
         print(f"{r['streams']:>3} {r['engine_tok_s']:>13.1f} {r['async_tok_s']:>12.1f} {r['sse_tok_s']:>10.1f} "

@@ -145,5 +145,6 @@ class Rates:
 def decode_lengths(num_decode_tokens: int) -> tuple[int, int]:
     """(n_short, n_long) new tokens: 65 and 129 for 128, as the reference measured."""
     if num_decode_tokens < 2:
-        raise ValueError(f"--decode-tokens must be at least 2 (the steady rate needs two lengths), got {num_decode_tokens}")
+        raise ValueError(f"--decode-tokens must be at least 2 (the steady rate needs two lengths), "
+                         f"got {num_decode_tokens}")
     return 1 + num_decode_tokens // 2, 1 + num_decode_tokens

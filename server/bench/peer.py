@@ -32,7 +32,9 @@ class PeerMode:
     keep_grouped_experts: bool  # override generate()'s grouped_mm -> batched_mm switch in decode
 
     def describe(self, is_moe: bool) -> str:
-        text = "static cache + torch.compile (transformers auto-compile)" if self.static_compile else "eager, dynamic cache"
+        text = "eager, dynamic cache"
+        if self.static_compile:
+            text = "static cache + torch.compile (transformers auto-compile)"
         if is_moe:
             experts = "grouped_mm kept in decode" if self.keep_grouped_experts else "transformers default experts"
             text += f", {experts}"

@@ -21,7 +21,9 @@ from server.models.registry import get_model_module
 INIT_STD = 0.02
 
 
-def init_value(name: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int, std: float = INIT_STD) -> torch.Tensor:
+def init_value(
+    name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int, std: float = INIT_STD
+) -> torch.Tensor:
     """N(0, std) for weights; 1 + N(0, std) for norm weights (1-D tensors whose name mentions `norm`). Never zeros."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))

@@ -25,7 +25,7 @@ from server.engine import device as device_mod
 
 log = logging.getLogger(__name__)
 
-COPY_MIB = {"cuda": 2048, "mps": 1024, "cpu": 256}  # per buffer; read + written = twice this
+COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # per buffer (the reference copied 4 GiB -> 4 GiB)
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 
 
@@ -69,7 +69,7 @@ def resolve_target(opts: BenchOptions) -> Target:
 
 def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     target = resolve_target(opts)
-    batch_sizes = tuple(opts.batch_sizes or target.defaults.get("batch_sizes") or DEFAULT_BATCH_SIZES)
+    batch_sizes = tuple(dict.fromkeys(opts.batch_sizes or target.defaults.get("batch_sizes") or DEFAULT_BATCH_SIZES))
     prompt_len = opts.prompt_len or target.defaults.get("prompt_len", DEFAULT_PROMPT_LEN)
     decode_tokens = opts.decode_tokens or target.defaults.get("num_decode_tokens", DEFAULT_DECODE_TOKENS)
     n_short, n_long = measure.decode_lengths(decode_tokens)
@@ -77,22 +77,28 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     checkpoint_dtype = target.hf_config.get("torch_dtype") or target.hf_config.get("dtype")
     dtype = device_mod.select_dtype(opts.dtype, device, checkpoint_dtype)
     log.info("bench %s on %s (%s) as %s", target.name, device, why, dtype)
-    prompts = {b: random_prompts(b, prompt_len, int(target.hf_config["vocab_size"]), opts.seed + b) for b in batch_sizes}
+    vocab_size = int(target.hf_config["vocab_size"])
+    prompts = {b: random_prompts(b, prompt_len, vocab_size, opts.seed + b) for b in batch_sizes}
     copy_mib = opts.copy_mib or COPY_MIB.get(device.type, 256)
     copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
+    release(device)  # hand the copy buffers back before the model is built
     calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
     sides = 2 if opts.compare else 1
     with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
         progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
         ours, weights, info = measure_ours(opts, target, device, dtype, prompts, (n_short, n_long), progress)
         release(device)
-        peer = measure_peer(opts, target, device, dtype, prompts, (n_short, n_long), progress) if opts.compare else None
+        peer = None
+        if opts.compare:
+            is_moe = weights.num_experts > 0
+            peer = measure_peer(opts, target, device, dtype, prompts, (n_short, n_long), is_moe, progress)
         release(device)
     common = {
         "preset": target.name, "model_type": target.hf_config["model_type"], "device": device.type,
         "gpu_name": device_name(device), "dtype": str(dtype).removeprefix("torch."), "quantize": opts.quantize,
         "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
-        "copy_gb_s": copy_gb_s, "torch_version": torch.__version__, "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
+        "copy_gb_s": copy_gb_s, "torch_version": torch.__version__,
+        "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
     }
     records = [build_record(common, b, ours, peer, weights, copy_gb_s) for b in batch_sizes]
@@ -133,7 +139,8 @@ def measure_ours(opts, target: Target, device, dtype, prompts, lengths, progress
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
     }
-    progress.write(f"built {target.name} in {build_s:.1f} s: {report.gigabytes(info['weight_bytes_total'])} of weights, "
+    total = report.gigabytes(info["weight_bytes_total"])
+    progress.write(f"built {target.name} in {build_s:.1f} s: {total} of weights, "
                    f"{report.gigabytes(weights.per_token)} read per token at batch 1")
 
     def generate(batch: list[list[int]], num_new: int) -> list[list[int]]:
@@ -195,7 +202,7 @@ def engine_config(opts, target: Target, device, dtype, max_batch: int, max_len: 
     )
 
 
-def measure_peer(opts, target: Target, device, dtype, prompts, lengths, progress) -> Series:
+def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: bool, progress) -> Series:
     from server.bench import peer as peer_mod
 
     series = Series()
@@ -211,7 +218,6 @@ def measure_peer(opts, target: Target, device, dtype, prompts, lengths, progress
         return series
     if opts.quantize != "none":
         series.notes.append(f"the peer runs unquantized {str(dtype).removeprefix('torch.')}")
-    is_moe = any(k in target.hf_config for k in ("num_experts", "num_local_experts", "n_routed_experts"))
     max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
     modes = peer_mod.best_modes(device, is_moe, opts.peer_experts)
     peer = peer_mod.TransformersPeer(model, modes[0], max_len)
@@ -224,12 +230,13 @@ def measure_peer(opts, target: Target, device, dtype, prompts, lengths, progress
     return series
 
 
-def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps, progress) -> list:
+def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps,
+                        progress) -> list:
     """Measure each candidate mode at this batch size and keep the fastest; returns the modes still usable."""
     from server.bench.peer import PeerMode
 
     best: tuple[measure.Rates, list[int], str] | None = None
-    for mode in modes:
+    for mode in list(modes):
         peer.set_mode(mode)
         trial = Series()
         try:
@@ -249,6 +256,8 @@ def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device,
             if peer.mode.static_compile and peer.compiled is False:
                 described += " (transformers did not compile it)"
             best = (rates, trial.tokens[len(batch)], described)
+        if not peer.mode.static_compile and mode.static_compile:
+            break  # compiling failed: the other candidate modes would compile too
     series.rates[len(batch)], series.tokens[len(batch)], series.modes[len(batch)] = best
     return modes
 
@@ -283,6 +292,9 @@ def measure_series(series: Series, side: str, generate: GenerateFn, device, batc
             if num_new == n_long:
                 long_tokens = tokens
     rates = measure.Rates(batch_size, len(batch[0]), n_short, n_long, t_first, best[1], best[n_short], best[n_long])
+    if rates.t_long <= rates.t_short:
+        progress.write(f"{side} B={batch_size}: WARNING {n_long} tokens took no longer than {n_short}: timing noise "
+                       "dominates; raise --decode-tokens or --reps")
     series.rates[batch_size], series.tokens[batch_size] = rates, long_tokens[0]
     progress.write(f"{side} B={batch_size}: decode {rates.decode_tok_s:.1f} tok/s ({rates.step_s * 1e3:.2f} ms/step), "
                    f"prefill {rates.prefill_tok_s:.0f} tok/s, first call {t_first:.1f} s")

@@ -34,8 +34,9 @@ def bucket(value: int, sizes: list[int]) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa"):
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None):
         self.decode_kernel = decode_kernel
+        self.state_cache = state_cache  # hybrids: StateCache; the step then takes the rows' state slots too
         self.model, self.kv_layers, self.device = model, kv_layers, device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
@@ -51,9 +52,12 @@ class DecodeGraphs:
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
-    def _forward(self, input_ids, positions, slot_mapping, block_tables) -> torch.Tensor:
+    def _forward(self, input_ids, positions, slot_mapping, block_tables, state_slots=None) -> torch.Tensor:
         num_seqs = input_ids.shape[0]
         rows = torch.arange(num_seqs, device=input_ids.device)
+        state = {}
+        if self.state_cache is not None:
+            state = dict(query_lens=torch.ones_like(rows), state_slots=state_slots, state_caches=self.state_cache.layers)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -63,13 +67,15 @@ class DecodeGraphs:
             token_cols=torch.zeros_like(rows),
             is_decode=True,
             decode_kernel=self.decode_kernel,
+            **state,
         )
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
 
     @torch.inference_mode()
     def run(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        """inputs: input_ids, positions, slot_mapping [B_pad], block_tables [B_pad, blocks_pad] on the device."""
+        """inputs: input_ids, positions, slot_mapping [B_pad], block_tables [B_pad, blocks_pad] on the device
+        (hybrids: then state_slots [B_pad])."""
         key = tuple(inputs[3].shape)
         if not self.use_graphs:
             if key in self._seen:
@@ -90,6 +96,8 @@ class DecodeGraphs:
     def _capture(self, key, inputs) -> None:
         start = time.perf_counter()
         static_inputs = [t.clone() for t in inputs]
+        if self.state_cache is not None:  # warm-up runs must not advance the real sequences' states
+            static_inputs[4].fill_(self.state_cache.scratch_slot)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

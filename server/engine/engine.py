@@ -126,14 +126,11 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
-        if self.state_cache is not None:
-            log.info("hybrid model: the decode step runs eagerly (the compiled decode graph has no state slots yet)")
-            return None
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(
             self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
-            self.config.decode_attention,
+            self.config.decode_attention, state_cache=self.state_cache,
         )
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
@@ -158,7 +155,7 @@ class Engine:
         specs = self.model.state_shapes()
         num_snapshots = self.config.max_num_seqs if self.config.enable_prefix_caching else 0
         slots = StateSlots(self.config.max_num_seqs, num_snapshots, self.config.block_size)
-        self._state_bytes = StateCache.bytes_per_slot(specs, self.dtype) * slots.num_slots
+        self._state_bytes = StateCache.total_bytes(specs, slots.num_slots, self.dtype)
         return StateCache(specs, slots.num_slots, self.dtype, self.device), slots
 
     @property

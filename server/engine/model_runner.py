@@ -146,6 +146,8 @@ class ModelRunner:
             slots[row] = request.block_ids[pos // block_size] * block_size + pos % block_size
             tables[row][: pos // block_size + 1] = request.block_ids[: pos // block_size + 1]
         inputs = [torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True) for v in (input_ids, positions, slots, tables)]
+        if self.state_cache is not None:  # hybrids: state copies, then each row's state slot
+            inputs.append(self.state_cache.decode_slots(chunks, padded_seqs))
         self._feed_pending(inputs[0], pending, prev)
         return self.decode_graphs.run(inputs)[: len(chunks)]
 

@@ -128,15 +128,21 @@ class StateSlots:
 
 
 class StateCache:
-    """Per state layer, a tuple of tensors `[num_slots, *shape]` on the device (conv states in the model
-    dtype, recurrent states as declared, fp32 for Gated DeltaNet)."""
+    """Per state layer, a tuple of tensors `[num_slots + 1, *shape]` on the device (conv states in the model
+    dtype, recurrent states as declared, fp32 for Gated DeltaNet). The extra last slot is scratch: the padded
+    rows of a bucketed (compiled) decode batch read and write it."""
 
     def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device):
         self.device = device
+        self.scratch_slot = num_slots
         self.layers = [
-            tuple(torch.zeros(num_slots, *shape, dtype=tdtype or dtype, device=device) for shape, tdtype in spec)
+            tuple(torch.zeros(num_slots + 1, *shape, dtype=tdtype or dtype, device=device) for shape, tdtype in spec)
             for spec in specs
         ]
+
+    @staticmethod
+    def total_bytes(specs: list[StateSpec], num_slots: int, dtype: torch.dtype) -> int:
+        return StateCache.bytes_per_slot(specs, dtype) * (num_slots + 1)
 
     @staticmethod
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
@@ -150,8 +156,21 @@ class StateCache:
         return total
 
     def prepare(self, chunks, meta) -> None:
-        """Before a step: restore snapshots, zero the slots of sequences starting at 0, save snapshots; then
-        point `meta` at the sequences' slots. `chunks` are the step's ScheduledChunks, in row order."""
+        """Before a step: the state copies (`apply_copies`), then point `meta` at the sequences' slots.
+        `chunks` are the step's ScheduledChunks, in row order."""
+        self.apply_copies(chunks)
+        meta.state_slots = self._tensor([c.request.state_slot for c in chunks])
+        meta.query_lens = self._tensor([c.num_tokens for c in chunks])
+        meta.state_caches = self.layers
+
+    def decode_slots(self, chunks, num_rows: int) -> torch.Tensor:
+        """The compiled decode step's slot input: the copies applied, rows past the batch on the scratch slot."""
+        self.apply_copies(chunks)
+        slots = [c.request.state_slot for c in chunks]
+        return self._tensor(slots + [self.scratch_slot] * (num_rows - len(slots)))
+
+    def apply_copies(self, chunks) -> None:
+        """Restore snapshots, zero the slots of sequences starting at 0, save snapshots (in that order)."""
         restores = [(c.state_restore, c.request.state_slot) for c in chunks if c.state_restore is not None]
         resets = [c.request.state_slot for c in chunks if c.start == 0 and c.state_restore is None]
         saves = [(c.request.state_slot, c.state_save) for c in chunks if c.state_save is not None]
@@ -164,9 +183,6 @@ class StateCache:
                     t.index_fill_(0, index, 0)
         if saves:
             self._copy(*zip(*saves, strict=True))
-        meta.state_slots = self._tensor([c.request.state_slot for c in chunks])
-        meta.query_lens = self._tensor([c.num_tokens for c in chunks])
-        meta.state_caches = self.layers
 
     def _copy(self, sources: Sequence[int], dests: Sequence[int]) -> None:
         src, dst = self._tensor(sources), self._tensor(dests)

@@ -152,7 +152,7 @@ class WeightLoader:
 
     def check_complete(self) -> None:
         missing = []
-        for param_name, param in [*self.model.named_parameters(), *_persistent_buffers(self.model).items()]:
+        for param_name, _ in [*self.model.named_parameters(), *_persistent_buffers(self.model).items()]:
             for key, ckpt_name in self._expected_pieces(param_name):
                 if (param_name, key) not in self.filled:
                     missing.append(ckpt_name)

@@ -56,7 +56,7 @@ class Capabilities:
         for field in fields(self):
             value = getattr(self, field.name)
             if isinstance(value, Probe):
-                lines.append(f"  {field.name:<18} {'yes' if value.ok else 'no ':<4} {value.reason}")
+                lines.append(f"  {field.name:<22} {'yes' if value.ok else 'no ':<4} {value.reason}")
         return lines
 
 
@@ -113,8 +113,12 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, what: str) -> str:
     return f"{what}, rel err {err:.1e}"
 
 
-def _op_name(public: str, private: str) -> str:
-    return f"F.{public}" if hasattr(torch.nn.functional, public) else f"torch.{private}"
+def _spellings(public: str) -> list[tuple[str, bool]]:
+    """Every spelling this build has must work: eager calls use the public one, traced calls the private."""
+    found = compat.spellings(public)
+    if not found:
+        raise AttributeError(f"neither F.{public} nor torch._{public} exists in this torch build")
+    return found
 
 
 def _check_scaled_mm(device: torch.device, rowwise: bool, with_bias: bool) -> str:
@@ -123,21 +127,23 @@ def _check_scaled_mm(device: torch.device, rowwise: bool, with_bias: bool) -> st
     num_rows, num_cols, inner = (16, 32, 64)
     weight = _rand(num_cols, inner, device=device, seed=1).to(_FP8)  # [N, K]
     bias = _rand(num_cols, device=device, seed=2).to(torch.bfloat16) if with_bias else None
-    reason = ""
-    for m in (1, num_rows) if rowwise else (num_rows,):
-        x = _rand(m, inner, device=device, seed=3).to(_FP8)
-        if rowwise:
-            scale_a = torch.rand(m, 1, device=device) + 0.5
-            scale_b = torch.rand(1, num_cols, device=device) + 0.5
-            out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16)
-        else:
-            scale_a, scale_b = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
-            out = compat.scaled_mm_tensorwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16)
-        ref = (x.float() * scale_a) @ (weight.float().t() * scale_b)
-        if bias is not None:
-            ref = ref + bias.float()
-        reason = _compare(out, ref, _op_name("scaled_mm", "_scaled_mm"))
-    return reason
+    reasons = []
+    for name, private in _spellings("scaled_mm"):
+        for m in (1, num_rows) if rowwise else (num_rows,):
+            x = _rand(m, inner, device=device, seed=3).to(_FP8)
+            if rowwise:
+                scale_a = torch.rand(m, 1, device=device) + 0.5
+                scale_b = torch.rand(1, num_cols, device=device) + 0.5
+                out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16, private)
+            else:
+                scale_a, scale_b = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
+                out = compat.scaled_mm_tensorwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16, private)
+            ref = (x.float() * scale_a) @ (weight.float().t() * scale_b)
+            if bias is not None:
+                ref = ref + bias.float()
+            error = _compare(out, ref, name)
+        reasons.append(error)
+    return "; ".join(reasons)
 
 
 def _grouped_operands(device: torch.device, dtype: torch.dtype):
@@ -145,14 +151,18 @@ def _grouped_operands(device: torch.device, dtype: torch.dtype):
     mat_a = _rand(32, 64, device=device, seed=4).to(dtype)  # [sum M, K]
     weight = _rand(4, 48, 64, device=device, seed=5).to(dtype)  # [G, N, K]
     starts = [0, 8, 8, 24]
-    ref = torch.cat([mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
+    ref = torch.cat(
+        [mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))]
+    )
     return mat_a, weight, offs, ref
 
 
 def _check_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
     mat_a, weight, offs, ref = _grouped_operands(device, dtype)
-    out = compat.grouped_mm(mat_a, weight.transpose(-2, -1), offs)
-    return _compare(out, ref, _op_name("grouped_mm", "_grouped_mm"))
+    reasons = []
+    for name, private in _spellings("grouped_mm"):
+        reasons.append(_compare(compat.grouped_mm(mat_a, weight.transpose(-2, -1), offs, None, private), ref, name))
+    return "; ".join(reasons)
 
 
 def _check_grouped_mm_meta(dtype: torch.dtype) -> str:
@@ -160,7 +170,7 @@ def _check_grouped_mm_meta(dtype: torch.dtype) -> str:
     meta = torch.device("meta")
     offs = torch.empty(4, dtype=torch.int32, device=meta)
     mat_b = torch.empty(4, 48, 64, dtype=dtype, device=meta).transpose(-2, -1)
-    compat.grouped_mm(torch.empty(32, 64, dtype=dtype, device=meta), mat_b, offs)
+    compat.grouped_mm(torch.empty(32, 64, dtype=dtype, device=meta), mat_b, offs, None, private=True)
     return "shape function accepts it"
 
 
@@ -171,12 +181,17 @@ def _check_scaled_grouped_mm(device: torch.device) -> str:
     a_fp8, w_fp8 = mat_a.to(_FP8), weight.to(_FP8)
     scale_a = torch.rand(mat_a.shape[0], device=device) + 0.5  # [sum M]
     scale_b = torch.rand(weight.shape[0], weight.shape[1], device=device) + 0.5  # [G, N]
-    out = compat.scaled_grouped_mm_rowwise(a_fp8, w_fp8.transpose(-2, -1), scale_a, scale_b, offs, torch.bfloat16)
     a_deq = a_fp8.float() * scale_a[:, None]
     w_deq = w_fp8.float() * scale_b[:, :, None]
     starts = [0, 8, 8, 24]
     ref = torch.cat([a_deq[s:e] @ w_deq[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
-    return _compare(out, ref, _op_name("scaled_grouped_mm", "_scaled_grouped_mm"))
+    reasons = []
+    for name, private in _spellings("scaled_grouped_mm"):
+        out = compat.scaled_grouped_mm_rowwise(
+            a_fp8, w_fp8.transpose(-2, -1), scale_a, scale_b, offs, torch.bfloat16, private
+        )
+        reasons.append(_compare(out, ref, name))
+    return "; ".join(reasons)
 
 
 def _check_streams(device: torch.device) -> str:

@@ -1,8 +1,10 @@
 """Version-tolerant entry points for the matmuls the fast paths use.
 
 torch 2.11+ exposes the public `F.scaled_mm` / `F.grouped_mm` / `F.scaled_grouped_mm`; some builds only have the
-private `torch._scaled_mm` / `torch._grouped_mm` / `torch._scaled_grouped_mm`. Each wrapper prefers the public op
-and falls back to the private one, so callers (and the capability probe) never look at version numbers.
+private `torch._scaled_mm` / `torch._grouped_mm` / `torch._scaled_grouped_mm`. Eager calls prefer the public op;
+traced calls prefer the private aten op where it exists, because dynamo in torch 2.11 refuses to trace
+`F.scaled_grouped_mm` ("function marked as skipped", seen on the H200) while aten ops always trace. The probe
+runs both spellings, so neither choice goes untested.
 """
 
 from __future__ import annotations
@@ -11,12 +13,20 @@ import torch
 import torch.nn.functional as F
 
 
-def grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None = None):
+def _private(name: str, private: bool | None) -> bool:
+    """Whether to call torch.<name> instead of the public F op (None: only while torch.compile traces)."""
+    if not hasattr(torch, name):
+        return False
+    if not hasattr(F, name.lstrip("_")):
+        return True
+    return torch.compiler.is_compiling() if private is None else private
+
+
+def grouped_mm(mat_a, mat_b, offs, out_dtype=None, private: bool | None = None) -> torch.Tensor:
     """[sum M, K] x [G, K, N] with int32 group ends `offs` [G] -> [sum M, N]."""
-    public = getattr(F, "grouped_mm", None)
-    if public is not None:
-        return public(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
-    return torch._grouped_mm(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
+    if _private("_grouped_mm", private):
+        return torch._grouped_mm(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
+    return F.grouped_mm(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
 
 
 def scaled_mm_rowwise(
@@ -26,21 +36,20 @@ def scaled_mm_rowwise(
     scale_b: torch.Tensor,  # [1, N] float32
     bias: torch.Tensor | None,  # [N] in out_dtype
     out_dtype: torch.dtype,
+    private: bool | None = None,
 ) -> torch.Tensor:
-    public = getattr(F, "scaled_mm", None)
-    if public is not None:
-        rowwise = F.ScalingType.RowWise
-        return public(a_fp8, b_fp8, scale_a, rowwise, scale_b, rowwise, bias=bias, output_dtype=out_dtype)
-    return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    if _private("_scaled_mm", private):
+        return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    rowwise = F.ScalingType.RowWise
+    return F.scaled_mm(a_fp8, b_fp8, scale_a, rowwise, scale_b, rowwise, bias=bias, output_dtype=out_dtype)
 
 
-def scaled_mm_tensorwise(a_fp8, b_fp8, scale_a, scale_b, bias, out_dtype):
+def scaled_mm_tensorwise(a_fp8, b_fp8, scale_a, scale_b, bias, out_dtype, private: bool | None = None):
     """Same as scaled_mm_rowwise with 0-d float32 scales."""
-    public = getattr(F, "scaled_mm", None)
-    if public is not None:
-        tensorwise = F.ScalingType.TensorWise
-        return public(a_fp8, b_fp8, scale_a, tensorwise, scale_b, tensorwise, bias=bias, output_dtype=out_dtype)
-    return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    if _private("_scaled_mm", private):
+        return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+    tensorwise = F.ScalingType.TensorWise
+    return F.scaled_mm(a_fp8, b_fp8, scale_a, tensorwise, scale_b, tensorwise, bias=bias, output_dtype=out_dtype)
 
 
 def scaled_grouped_mm_rowwise(
@@ -50,9 +59,15 @@ def scaled_grouped_mm_rowwise(
     scale_b: torch.Tensor,  # [G, N] float32
     offs: torch.Tensor,  # [G] int32 group ends
     out_dtype: torch.dtype,
+    private: bool | None = None,
 ) -> torch.Tensor:
-    public = getattr(F, "scaled_grouped_mm", None)
-    if public is not None:
-        rowwise = F.ScalingType.RowWise
-        return public(a_fp8, b_fp8, scale_a, rowwise, scale_b, rowwise, offs=offs, output_dtype=out_dtype)
-    return torch._scaled_grouped_mm(a_fp8, b_fp8, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+    if _private("_scaled_grouped_mm", private):
+        return torch._scaled_grouped_mm(a_fp8, b_fp8, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
+    rowwise = F.ScalingType.RowWise
+    return F.scaled_grouped_mm(a_fp8, b_fp8, scale_a, rowwise, scale_b, rowwise, offs=offs, output_dtype=out_dtype)
+
+
+def spellings(public: str) -> list[tuple[str, bool]]:
+    """The (name, private flag) pairs this torch build has for an op, for the probe to run each."""
+    found = [(f"F.{public}", False)] if hasattr(F, public) else []
+    return found + ([(f"torch._{public}", True)] if hasattr(torch, f"_{public}") else [])

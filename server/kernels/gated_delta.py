@@ -41,8 +41,7 @@ def causal_conv1d(
 
 def causal_conv1d_reference(x, weight, state, lengths):
     """Token-by-token twin of causal_conv1d (host loops, fp32 accumulation)."""
-    num_rows, seq_len, channels = x.shape
-    kernel = weight.shape[-1]
+    num_rows = x.shape[0]
     y = torch.zeros_like(x)
     new_state = state.clone()
     for row in range(num_rows):

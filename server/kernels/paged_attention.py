@@ -15,9 +15,14 @@ import torch.nn.functional as F
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place.
+
+    index_put_ on the cache tensor itself (not on a reshaped view) so torch.compile updates it in place;
+    mutating a view made torch 2.11's inductor copy the whole cache every step (measured: docs/PERF.md)."""
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
+    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:

@@ -12,8 +12,10 @@ the filters (what the model "thinks", as OpenAI reports it).
 
 The exponential race picks argmax_i p_i / E_i with E_i ~ Exp(1), which draws i with probability p_i. It is done
 in log space, argmax_i (l_i - log E_i): the softmax normalizer does not move the argmax, so no softmax pass is
-needed. E_i comes from a counter-based hash of (seed, step, vocab index) in integer tensor ops, so a seeded
-request draws the same tokens whatever batch it is in, on any device.
+needed. E_i = -log(u_i), u_i from a counter-based hash of (seed, step, vocab index) in integer tensor ops,
+so a seeded request draws the same noise whatever batch it is in. The uniforms are exact (integer ops, then
+IEEE-exact scaling) and so identical on every device; `log` may differ in the last ulp between devices (CPU vs
+CUDA, seen on the H200), which can change a draw only when two candidates tie to within that ulp.
 """
 
 from __future__ import annotations
@@ -113,7 +115,10 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device) -> Sa
         [1.0 if g else r.temperature, r.top_p, r.min_p, r.repetition_penalty, r.presence_penalty, r.frequency_penalty]
         for r, g in zip(rows, greedy, strict=True)
     ]
-    ints = [[k, r.seed & _M32, (r.seed >> 32) & _M32, r.step & _M32, int(g)] for r, k, g in zip(rows, top_ks, greedy, strict=True)]
+    ints = [
+        [k, r.seed & _M32, (r.seed >> 32) & _M32, r.step & _M32, int(g)]
+        for r, k, g in zip(rows, top_ks, greedy, strict=True)
+    ]
     packed_f, packed_i = _to_device(floats, torch.float32, device), _to_device(ints, torch.int64, device)
 
     need_repetition = any(r.repetition_penalty != 1.0 for r in rows)
@@ -128,17 +133,32 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device) -> Sa
     need_bias = any(r.logit_bias for r in rows)
     if need_bias:
         pairs = [
-            (b * vocab_size + t, v) for b, r in enumerate(rows) for t, v in (r.logit_bias or {}).items() if 0 <= t < vocab_size
+            (b * vocab_size + t, v)
+            for b, r in enumerate(rows)
+            for t, v in (r.logit_bias or {}).items()
+            if 0 <= t < vocab_size
         ]
         logit_bias = _scatter_table([i for i, _ in pairs], [v for _, v in pairs], shape, device)
     wanted = [r.num_logprobs for r in rows if r.num_logprobs is not None]
     return SamplingBatch(
-        temperature=packed_f[:, 0], top_p=packed_f[:, 1], min_p=packed_f[:, 2], repetition_penalty=packed_f[:, 3],
-        presence_penalty=packed_f[:, 4], frequency_penalty=packed_f[:, 5],
-        top_k=packed_i[:, 0], seed_lo=packed_i[:, 1], seed_hi=packed_i[:, 2], step=packed_i[:, 3],
+        temperature=packed_f[:, 0],
+        top_p=packed_f[:, 1],
+        min_p=packed_f[:, 2],
+        repetition_penalty=packed_f[:, 3],
+        presence_penalty=packed_f[:, 4],
+        frequency_penalty=packed_f[:, 5],
+        top_k=packed_i[:, 0],
+        seed_lo=packed_i[:, 1],
+        seed_hi=packed_i[:, 2],
+        step=packed_i[:, 3],
         is_greedy=packed_i[:, 4].bool(),
-        output_counts=output_counts, seen_mask=seen_mask, logit_bias=logit_bias,
-        all_greedy=all(greedy), need_penalties=need_penalties, need_repetition=need_repetition, need_bias=need_bias,
+        output_counts=output_counts,
+        seen_mask=seen_mask,
+        logit_bias=logit_bias,
+        all_greedy=all(greedy),
+        need_penalties=need_penalties,
+        need_repetition=need_repetition,
+        need_bias=need_bias,
         need_top_k=any(0 < r.top_k < vocab_size for r in sampled),
         need_top_p=any(r.top_p < 1.0 for r in sampled),
         need_min_p=any(r.min_p > 0.0 for r in sampled),

@@ -32,7 +32,7 @@ def factory():
         raise ModelLoadError("no checkpoint at /nope")
     while not flag.exists():  # "loading" lasts until the test says so
         time.sleep(0.01)
-    num_pieces = 30 if mode == "short" else 100_000
+    num_pieces = 50 if mode == "short" else 100_000
     engine = FakeEngine(Script(pieces=[f"p{i} " for i in range(num_pieces)], delay_s=0.02))
     shutdown = engine.shutdown
     async def reporting_shutdown():
@@ -94,6 +94,7 @@ def test_sigterm_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: 
         wait_until(lambda: _health(url) == 200, timeout_s=30)
         thread, lines = _stream_in_thread(url)
         wait_until(lambda: len(lines) >= 3)  # role chunk and some content are out
+        num_lines_at_signal = len(lines)
         proc.send_signal(signal.SIGTERM)
         thread.join(timeout=60)
         assert not thread.is_alive()
@@ -103,10 +104,11 @@ def test_sigterm_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: 
     assert proc.returncode == 0, output
     assert "ENGINE_SHUTDOWN" in output
     payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
+    assert len(lines) > num_lines_at_signal  # the stream went on after the signal
     if mode == "short":  # finished within the grace period: the whole answer, then [DONE]
         assert lines[-1] == "data: [DONE]"
         text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p.get("choices"))
-        assert text == "".join(f"p{i} " for i in range(30))
+        assert text == "".join(f"p{i} " for i in range(50))
     else:  # aborted after the grace period: one error event, the stream closes
         assert payloads[-1]["error"]["code"] == "server_shutdown" and "[DONE]" not in lines[-1]
 

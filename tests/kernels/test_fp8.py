@@ -100,7 +100,9 @@ def test_fp8_experts_match_twin_and_bf16(num_tokens):
     assert _rel_err(out, bf16) < FP8_MOE_BOUND
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
 def test_fp8_experts_compile_fullgraph_decode_shape():
     gate_up_q, gate_up_scale = moe_fp8.quantize_experts(torch.randn(16, 32, 48) / 7)
     down_q, down_scale = moe_fp8.quantize_experts(torch.randn(16, 48, 16) / 4)
@@ -118,8 +120,11 @@ def test_fp8_experts_compile_fullgraph_decode_shape():
 
 
 def test_plan_keeps_only_measured_slower_layers_within_budget():
-    shapes = {f"layers.{i}.{name}": shape for i in range(3)
-              for name, shape in (("qkv", (96, 64)), ("o", (64, 64)), ("gate_up", (256, 64)), ("down", (64, 128)))}
+    shapes = {
+        f"layers.{i}.{name}": shape
+        for i in range(3)
+        for name, shape in (("qkv", (96, 64)), ("o", (64, 64)), ("gate_up", (256, 64)), ("down", (64, 128)))
+    }
     total_bytes = sum(n * k for n, k in shapes.values())  # all stored in FP8
     for budget in (0.0, 0.2, 1.0):
         kept = plan_fp8_layers(shapes, "cpu", torch.bfloat16, total_bytes, keep_budget=budget)

@@ -26,8 +26,14 @@ def _experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed
 
 def _config(num_experts=16, top_k=4, hidden=64, inter=32, norm_topk_prob=True, **extra):
     return SimpleNamespace(
-        num_experts=num_experts, num_experts_per_tok=top_k, hidden_size=hidden, moe_intermediate_size=inter,
-        norm_topk_prob=norm_topk_prob, hidden_act="silu", _experts_implementation="eager", **extra,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        hidden_size=hidden,
+        moe_intermediate_size=inter,
+        norm_topk_prob=norm_topk_prob,
+        hidden_act="silu",
+        _experts_implementation="eager",
+        **extra,
     )
 
 
@@ -118,7 +124,9 @@ def test_moe_experts_makes_no_host_sync():
         moe.route_sigmoid_bias(torch.randn(5, 8), torch.randn(8), 2, True, 2.0)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
 # bf16 x 4 tokens: grouped_mm; fp32: fallback (grouped_mm's shape function takes bf16 only); 1 token: gather-reduce
 @pytest.mark.parametrize("dtype,num_tokens", [(torch.bfloat16, 4), (torch.float32, 4), (torch.bfloat16, 1)])
 def test_route_and_experts_compile_fullgraph_on_cpu(dtype, num_tokens):

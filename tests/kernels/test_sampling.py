@@ -50,8 +50,16 @@ def test_sample_matches_per_row_reference(trial):
 
 def test_penalties_and_bias_follow_the_formulas():
     logits = torch.randn(1, VOCAB) * 2
-    row = SamplingRow(0.0, repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.2,
-                      logit_bias={9: 2.5}, prompt_token_ids=[4], output_token_ids=[7, 7, 8], num_logprobs=0)
+    row = SamplingRow(
+        0.0,
+        repetition_penalty=1.5,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        logit_bias={9: 2.5},
+        prompt_token_ids=[4],
+        output_token_ids=[7, 7, 8],
+        num_logprobs=0,
+    )
     expected = logits[0].clone()
     expected[9] += 2.5
     for token in (4, 7, 8):  # HF/vLLM repetition penalty over prompt and output

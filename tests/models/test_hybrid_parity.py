@@ -121,7 +121,8 @@ def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
     config = copy.deepcopy(hf_model.generation_config)
     config.eos_token_id, config.pad_token_id = 10**6, 0  # an id outside the vocab: never produced
     config.max_new_tokens, config.do_sample = num_new, False
-    out = hf_model.generate(torch.tensor([ids]), generation_config=config)
+    x = torch.tensor([ids])  # an explicit mask: otherwise prompt tokens equal to pad_token_id are masked out
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
     return out[0, len(ids):].tolist()
 
 
