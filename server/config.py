@@ -40,6 +40,7 @@ class ServerConfig:
     max_request_body_bytes: int = 8 * 1024 * 1024
     reasoning_field: str = "reasoning_content"  # or "reasoning"
     keepalive_interval_s: float = 5.0
+    shutdown_grace_s: float = 30.0  # on SIGINT/SIGTERM, in-flight streams get this long to finish
     log_level: str = "info"
 
 

@@ -1,7 +1,12 @@
 """HTTP endpoints: /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics.
 
 The `model` field of a request is not checked: this server serves one model, so the served name, an alias or
-anything else selects it and never triggers a Hub lookup (mlx-lm#1133); responses carry the served name.
+anything else (or nothing) selects it and never triggers a Hub lookup (mlx-lm#1133); responses carry the served
+name (--served-model-name, else the MODEL argument), and /v1/models lists it first, then the aliases.
+
+Tools: tool calls are parsed from the output only when tools reach the template. tool_choice "none" renders no
+tools; a named function renders only that tool; "required" is accepted but not enforced (no constrained
+decoding). Reasoning (`<think>`) is split out of chat output only; /v1/completions returns the raw text.
 """
 
 from __future__ import annotations
@@ -75,11 +80,14 @@ def _keepalive_s(state: ServingState) -> float | None:
     return interval if interval and interval > 0 else None  # 0 turns keepalives off
 
 
-def _validate(params: SamplingParams) -> None:
+def _validate(params: SamplingParams, renamed: dict[str, str] | None = None) -> None:
+    """SamplingParams.validate(), its `param` spelled as the request spelled it."""
     try:
         params.validate()
     except InvalidRequestError as exc:
-        raise from_engine_error(exc) from None
+        err = from_engine_error(exc)
+        err.param = (renamed or {}).get(err.param, err.param)
+        raise err from None
 
 
 async def _start(
@@ -143,7 +151,8 @@ async def chat_completions(request: Request) -> Response:
     tools = req.tools_for_template()
     messages = template_messages(req.messages)
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
-    _validate(params)
+    max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    _validate(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,

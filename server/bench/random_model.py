@@ -44,6 +44,8 @@ def empty_model(hf_config: dict[str, Any], device: torch.device | str, dtype: to
     if str(device) == "meta":
         return model.eval()
     model = model.to_empty(device=device)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # to_empty unties a shared LM head
     for sub in model.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()

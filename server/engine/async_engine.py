@@ -40,19 +40,23 @@ class _Handle:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[StreamDelta]:
-        while not self.finished:
+        while True:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 self.finished = True
                 raise item
+            yield item
             if item.finish_reason is not None:
                 self.finished = True
-            yield item
+                return
 
     async def abort(self) -> None:
         if not self.finished:
             self.finished = True
             self._owner._commands.put(("abort", self.request_id))
+            self._owner._wakeup.set()
+            # Wake a reader blocked in _iterate; it sees `finished` and ends.
+            self._queue.put_nowait(StreamDelta(self.request_id, "", [], finish_reason="abort"))
 
 
 class AsyncEngine:

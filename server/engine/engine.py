@@ -100,8 +100,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        if config.quantization not in (None, "none"):
-            raise ValueError(f"quantization {config.quantization!r} is not available yet; use none")
+        if config.quantization not in (None, "none", "fp8"):
+            raise ValueError(f"unknown quantization {config.quantization!r}; use none or fp8")
         if config.model == "demo":
             from server.engine.demo import ensure_demo_model
 
@@ -115,7 +115,8 @@ class Engine:
         checkpoint_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
         dtype = device_mod.select_dtype(config.dtype, torch_device, checkpoint_dtype)
         log.info("loading %s on %s (%s) as %s", config.model, torch_device, reason, dtype)
-        model, hf_config = load_model(model_dir, torch_device, dtype)
+        quantization = None if config.quantization in (None, "none") else config.quantization
+        model, hf_config = load_model(model_dir, torch_device, dtype, quantization)
         tokenizer = Tokenizer.from_pretrained(model_dir)
         limit = int(hf_config.get("max_position_embeddings", 4096))
         max_model_len = min(config.max_model_len or limit, limit)
@@ -160,7 +161,13 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        tensors = {id(t): t for t in list(self.model.parameters()) + list(self.model.buffers())}
+        """Bytes of all weights on the device: parameters and persistent buffers (FP8 weights and their
+        scales, expert biases), each shared tensor once; not derived tables such as RoPE frequencies."""
+        tensors = {id(p): p for p in self.model.parameters()}
+        for module in self.model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf is not None and name not in module._non_persistent_buffers_set:
+                    tensors[id(buf)] = buf
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ---- requests -----------------------------------------------------------------------------

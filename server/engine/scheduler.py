@@ -156,6 +156,8 @@ class Scheduler:
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            if chunk.state_save is not None:
+                self.state_slots.publish(chunk.state_save)  # hybrids: the snapshot copy is queued now
             if chunk.sample and not request.return_all_logits:
                 request.token_ids.append(PLACEHOLDER)
                 request.num_pending_tokens += 1

@@ -1,7 +1,8 @@
 """Per-sequence fixed-size state of hybrid models (short-conv and Gated DeltaNet layers), beside the paged KV.
 
-`StateCache` holds, per state layer, tensors `[num_slots, ...]` on the device. `StateSlots` (plain Python,
-used by the scheduler) decides which slot each sequence uses:
+`StateCache` holds, per state layer, tensors `[num_slots + 1, ...]` on the device (the last is scratch for the
+padded rows of a compiled decode batch). `StateSlots` (plain Python, used by the scheduler) decides which slot
+each sequence uses:
 
 - live slots `[0, num_live)`: one per running sequence, taken at admission and returned when the sequence
   finishes, is aborted or preempted. A sequence that starts at position 0 gets its slot zeroed.
@@ -9,6 +10,7 @@ used by the scheduler) decides which slot each sequence uses:
   is a multiple of block_size, keyed by the chained hash of the last full block (Request.block_hashes), so
   the key names exactly the tokens the state has consumed. Each running sequence keeps one rolling snapshot
   (its latest block boundary); when it finishes the snapshot stays cached (LRU) for the next chat turn.
+  A snapshot's key is published only when the step carrying its copy is launched (`publish`).
 
 A hybrid may only reuse prefix KV up to a block boundary whose state snapshot exists (`StateSlots.match`);
 the snapshot is copied into its live slot before its first step. The copies run on the device in the order
@@ -39,6 +41,7 @@ class StateSlots:
         self.owned: dict[str, int] = {}  # request id -> its rolling snapshot slot
         self.pins: dict[int, int] = {}  # snapshot slot -> restores not yet copied out
         self.restore: dict[str, int] = {}  # request id -> snapshot to copy into its live slot first
+        self.unpublished: dict[int, bytes] = {}  # snapshot slot -> key, until its save is launched
 
     @property
     def num_slots(self) -> int:
@@ -75,8 +78,15 @@ class StateSlots:
             return None, None  # this state is cached already
         slot = self._take_snapshot_slot(request_id)
         if slot is not None:
-            self.slot_of_hash[key], self.hash_of_slot[slot] = slot, key
+            self.unpublished[slot] = key
         return None, slot
+
+    def publish(self, slot: int) -> None:
+        """The save into `slot` was launched: its key may be matched from now on. (A step dropped before
+        launch, e.g. its request stopped meanwhile, never publishes: the slot would hold an older state.)"""
+        key = self.unpublished.pop(slot, None)
+        if key is not None and slot in self.owner_of:
+            self.slot_of_hash[key], self.hash_of_slot[slot] = slot, key
 
     def release(self, request_id: str, live_slot: int | None) -> None:
         """The sequence finished, was aborted or preempted: its live slot returns, its snapshot stays cached."""
@@ -106,6 +116,7 @@ class StateSlots:
         return slot
 
     def _forget_key(self, slot: int) -> None:
+        self.unpublished.pop(slot, None)
         key = self.hash_of_slot.pop(slot, None)
         if key is not None and self.slot_of_hash.get(key) == slot:
             del self.slot_of_hash[key]
@@ -122,9 +133,15 @@ class StateSlots:
             self._maybe_evictable(slot)
 
     def _maybe_evictable(self, slot: int) -> None:
-        if slot not in self.owner_of and not self.pins.get(slot) and slot in self.hash_of_slot:
+        """An unowned, unpinned snapshot is evictable (LRU) if it holds a published state, else free."""
+        if slot in self.owner_of or self.pins.get(slot):
+            return
+        if slot in self.hash_of_slot:
             self.evictable[slot] = None
             self.evictable.move_to_end(slot)
+        else:
+            self.unpublished.pop(slot, None)
+            self.free_snapshots.append(slot)
 
 
 class StateCache:

@@ -19,7 +19,8 @@ from torch import nn
 from tqdm import tqdm
 
 from server.engine.types import ModelLoadError
-from server.models.layers import FusedExperts, MergedLinear
+from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
+from server.models.quant import plan_kept_layers, quantize_for_loading, quantize_model  # noqa: F401  (quantize_model: bench)
 from server.models.registry import get_model_module
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class WeightLoader:
     def __init__(self, model: nn.Module):
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
-        self.params.update(_persistent_buffers(model))  # e.g. LFM2's fp32 expert_bias
+        self.params.update(_checkpoint_buffers(model))  # e.g. LFM2's fp32 expert_bias, FP8 weights
         self.filled: set[tuple[str, Any]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
@@ -115,7 +116,12 @@ class WeightLoader:
             raise ModelLoadError(
                 f"shape mismatch for {name}: checkpoint has {list(tensor.shape)}, model expects {list(dest.shape)}"
             )
-        dest.copy_(tensor)
+        module_name, _, leaf = param_name.rpartition(".")
+        owner = self._module(module_name)
+        if hasattr(owner, "load_weight"):
+            owner.load_weight(leaf, index, tensor)  # quantizes while loading
+        else:
+            dest.copy_(tensor)
         self.filled.add((param_name, key))
 
     def _resolve(self, name: str) -> tuple[str, Any, Any] | None:
@@ -125,13 +131,13 @@ class WeightLoader:
         parent_name, _, child = module_name.rpartition(".")
         # q_proj -> qkv_proj[rows], gate_proj -> gate_up_proj[rows], declared by MergedLinear.source_names
         for fused_name, module in self._children(parent_name):
-            if isinstance(module, MergedLinear) and child in module.source_names and leaf == "weight":
+            if hasattr(module, "source_names") and child in module.source_names and leaf == "weight":
                 shard = module.source_names.index(child)
                 return _join(parent_name, fused_name, "weight"), module.shard_rows(shard), shard
         match = _EXPERT_RE.match(name)
         if match:
             experts = self._module(match["prefix"])
-            if isinstance(experts, FusedExperts) and match["proj"] in experts.per_expert_names:
+            if hasattr(experts, "per_expert_names") and match["proj"] in experts.per_expert_names:
                 e, size = int(match["expert"]), experts.intermediate_size
                 gate, up, down = experts.per_expert_names
                 if match["proj"] == down:
@@ -152,7 +158,7 @@ class WeightLoader:
 
     def check_complete(self) -> None:
         missing = []
-        for param_name, _ in [*self.model.named_parameters(), *_persistent_buffers(self.model).items()]:
+        for param_name, _ in [*self.model.named_parameters(), *_checkpoint_buffers(self.model).items()]:
             for key, ckpt_name in self._expected_pieces(param_name):
                 if (param_name, key) not in self.filled:
                     missing.append(ckpt_name)
@@ -164,32 +170,70 @@ class WeightLoader:
         module_name, _, leaf = param_name.rpartition(".")
         module = self._module(module_name)
         parent = module_name.rpartition(".")[0]
-        if isinstance(module, MergedLinear) and leaf == "weight":
+        if hasattr(module, "source_names") and leaf == "weight":
             return [(i, _join(parent, src, "weight")) for i, src in enumerate(module.source_names)]
-        if isinstance(module, FusedExperts) and (param_name, None) not in self.filled:
+        if hasattr(module, "per_expert_names") and (param_name, None) not in self.filled:
             names = module.per_expert_names
             projs = [0, 1] if leaf == "gate_up_proj" else [2]
             return [((e, p), f"{module_name}.{e}.{names[p]}.weight") for e in range(module.num_experts) for p in projs]
         return [(None, param_name)]
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers saved in checkpoints (not e.g. rotary inv_freq, registered non-persistent)."""
+def _checkpoint_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that come from the checkpoint: persistent ones (not e.g. rotary inv_freq), and for FP8 modules
+    only the weights they declare (their scales are computed while loading)."""
     found = {}
     for module_name, module in model.named_modules():
+        declared = getattr(module, "checkpoint_buffers", None)
         for name, buf in module.named_buffers(recurse=False):
-            if buf is not None and name not in module._non_persistent_buffers_set:
+            if buf is None or name in module._non_persistent_buffers_set:
+                continue
+            if declared is None or name in declared:
                 found[_join(module_name, name)] = buf
     return found
+
+
+def dequantize_blockwise(tensors: Iterator[tuple[str, torch.Tensor]], quant_config: dict[str, Any]):
+    """Hugging Face `quant_method: fp8` checkpoints: pair each FP8 weight with its block-wise
+    `weight_scale_inv` and yield it converted to row-wise scales, dequantized one tensor at a time (the
+    loader then re-quantizes it row-wise, or keeps the model dtype)."""
+    block = tuple(quant_config.get("weight_block_size") or (128, 128))
+    waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(".weight_scale_inv"):
+            base = name[: -len("_scale_inv")]
+        elif tensor.dtype == FP8_DTYPE and name.endswith(".weight"):
+            base = name
+        else:
+            yield name, tensor
+            continue
+        if base not in waiting:
+            waiting[base] = tensor
+            continue
+        other = waiting.pop(base)
+        weight, scale_inv = (tensor, other) if name == base else (other, tensor)
+        weight_fp8, row_scale = blockwise_to_rowwise(weight, scale_inv, block)
+        yield base, weight_fp8.float() * row_scale
+    if waiting:
+        raise ModelLoadError(f"FP8 checkpoint tensors without their pair: {sorted(waiting)[:5]}")
 
 
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the architecture named by config.json on the meta device and stream the weights in."""
+def load_model(
+    model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """Build the architecture named by config.json on the meta device and stream the weights in
+    (quantized to FP8 tensor by tensor when `quantization="fp8"`)."""
     config = read_config(model_dir)
+    checkpoint_fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    if checkpoint_fp8 and quantization is None:
+        log.info("%s holds FP8 weights: loading them as FP8 (row-wise scales)", model_dir)
+        quantization = "fp8"
+    if quantization not in (None, "fp8"):
+        raise ModelLoadError(f"unknown quantization {quantization!r}; use fp8 or none")
     try:
         module = get_model_module(config["model_type"])
     except ValueError as exc:
@@ -197,6 +241,11 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
     args = module.ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = module.Model(args).to(dtype)
+        if quantization == "fp8":
+            keep = plan_kept_layers(model, device, dtype)
+            if keep:
+                log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
+            quantize_for_loading(model, dtype, keep)
     model = model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
@@ -205,7 +254,10 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype) -> tup
             sub.reset_buffers()
     loader = WeightLoader(model)
     with torch.no_grad():
-        for name, tensor in iter_checkpoint(safetensors_files(model_dir)):
+        tensors = iter_checkpoint(safetensors_files(model_dir))
+        if checkpoint_fp8:
+            tensors = dequantize_blockwise(tensors, config["quantization_config"])
+        for name, tensor in tensors:
             mapped = model.sanitize(name)
             if mapped is None:
                 continue

@@ -134,8 +134,10 @@ def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64) -> tuple[tor
 
 def gated_delta_rule_reference(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token twin, written as the recurrence reads (elementwise sums, fp32)."""
-    out_dtype, num_v_heads = v.dtype, v.shape[-2]
-    q, k = _normalize_qk(q, k, num_v_heads)
+    out_dtype, ratio = v.dtype, v.shape[-2] // k.shape[-2]
+    q = q.float() / torch.sqrt((q.float() ** 2).sum(-1, keepdim=True) + 1e-6) / q.shape[-1] ** 0.5
+    k = k.float() / torch.sqrt((k.float() ** 2).sum(-1, keepdim=True) + 1e-6)
+    q, k = q.repeat_interleave(ratio, dim=2), k.repeat_interleave(ratio, dim=2)  # value head h reads key h // r
     v, g, beta = v.float(), g.float(), beta.float()
     s = state.float().clone()  # [B, Hv, dk, dv]
     out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)

@@ -79,7 +79,11 @@ class Model(nn.Module):
         self.model = DecoderBody(args, layers)
         self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope_parameters)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        if args.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding (again after `to_empty`, which gives each module its own tensor)."""
+        if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, args: ModelArgs, layer_idx: int) -> nn.Module:

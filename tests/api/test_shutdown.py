@@ -1,4 +1,4 @@
-"""run_server in a subprocess: /health 503 while the model loads, SIGTERM lets a stream finish (or ends it
+"""run_server in a subprocess: /health 503 while the model loads, SIGINT/SIGTERM let a stream finish (or ends it
 cleanly after the grace period), the engine is shut down, and the process exits 0."""
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def _stream_in_thread(url: str) -> tuple[threading.Thread, list[str]]:
     return thread, lines
 
 
-@pytest.mark.parametrize("mode, grace_s", [("short", 30.0), ("long", 0.2)])
-def test_sigterm_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: float) -> None:
+@pytest.mark.parametrize("mode, grace_s, sig", [("short", 30.0, signal.SIGINT), ("long", 0.2, signal.SIGTERM)])
+def test_signal_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: float, sig: int) -> None:
     proc, url, flag = _start(tmp_path, mode, grace_s)
     try:
         wait_until(lambda: _health(url) is not None, timeout_s=60)
@@ -95,7 +95,7 @@ def test_sigterm_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: 
         thread, lines = _stream_in_thread(url)
         wait_until(lambda: len(lines) >= 3)  # role chunk and some content are out
         num_lines_at_signal = len(lines)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         thread.join(timeout=60)
         assert not thread.is_alive()
         output, _ = proc.communicate(timeout=60)

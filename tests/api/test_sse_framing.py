@@ -98,3 +98,18 @@ def test_keepalive_comments_while_waiting_for_the_first_token() -> None:
     data = [line[len("data: "):] for line in seen if line.startswith("data: ")]
     contents = [json.loads(d)["choices"][0]["delta"].get("content") for d in data[:-1]]
     assert "late" in contents
+
+
+def test_markup_split_at_every_point_through_the_server(srv: RunningServer) -> None:
+    """Reasoning then a tool call, cut into two deltas at every position, over real SSE."""
+    text = '<think>why</think>\n<tool_call>{"name": "get_weather", "arguments": {"days": 2}}</tool_call>'
+    with httpx.Client(base_url=srv.url, timeout=30) as client:
+        for i in range(len(text) + 1):
+            srv.engine.script = Script(pieces=[text[:i], text[i:]])
+            r = client.post("/v1/chat/completions", json={**CHAT, "tools": TOOLS})
+            deltas = [c["choices"][0]["delta"] for c in chunks_of(sse_events(r)[0])]
+            assert "".join(d.get("content") or "" for d in deltas) == "", f"split at {i}"
+            assert "".join(d.get("reasoning_content") or "" for d in deltas) == "why"
+            calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+            assert calls[0]["function"]["name"] == "get_weather"
+            assert json.loads("".join(tc["function"]["arguments"] for tc in calls)) == {"days": 2}

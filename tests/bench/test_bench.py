@@ -104,7 +104,11 @@ def test_weight_bytes_count_the_lm_head_once_and_skip_the_embedding(tied):
 
 
 # (total params, params read per token) in billions, from reference/models.md §3 (meta-device counts of HF 5.24).
-REFERENCE_COUNTS = {"llama-3.1-8b": (8.03, 7.50), "qwen3-8b": (8.19, 7.57), "qwen3-30b-a3b": (30.53, 3.04)}
+REFERENCE_COUNTS = {  # models.md §3: total params and params read per token, billions
+    "llama-3.1-8b": (8.03, 7.50), "qwen3-8b": (8.19, 7.57), "qwen3-30b-a3b": (30.53, 3.04),
+    "lfm2-8b-a1b": (8.34, 1.56), "lfm2.5-8b-a1b": (8.47, 1.69), "qwen3.6-35b-a3b": (34.66, 2.95),
+    "qwen3-next-80b-a3b": (79.67, 3.56),
+}
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE_COUNTS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from server.engine.model_runner import KVCache
 from server.engine.state_cache import StateSlots
 from server.engine.types import SamplingParams
 from tests.conftest import write_byte_tokenizer
+from tests.kernels.sync_guard import assert_no_host_sync
 
 ARCHS = ["lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
@@ -159,9 +161,12 @@ def test_batch_of_different_lengths_gives_each_single_result(arch, hybrid_checkp
     path, _ = hybrid_checkpoint(arch)
     engine = make_engine(path, enable_prefix_caching=False)
     prompts = [random_ids(n, seed=n) for n in (3, 17, 70, 9)]
-    batched = engine.generate(prompts, GREEDY)  # prefill rows and decode rows share steps
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    batched = engine.generate(prompts, params)  # prefill rows and decode rows share steps
     for prompt, out in zip(prompts, batched, strict=True):
-        assert out.token_ids == engine.generate(prompt, GREEDY).token_ids
+        single = engine.generate(prompt, params)
+        assert out.token_ids == single.token_ids
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, single.logprobs, strict=True)) < 1e-4
 
 
 def _rewrite_checkpoint(src: Path, dst: Path, prefix: str, nest_text_config: str | None) -> None:
@@ -215,19 +220,38 @@ def test_fused_experts_and_language_model_prefix_load(arch, prefix, nested, hybr
 def test_conversation_reuses_state_and_matches_cold_run(arch, hybrid_checkpoint):
     path, _ = hybrid_checkpoint(arch)
     warm, cold = make_engine(path), make_engine(path, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def assert_same_as_cold(out, prompt):
+        ref = cold.generate(prompt, params)
+        assert out.token_ids == ref.token_ids
+        diffs = [abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, ref.logprobs, strict=True)]
+        assert max(diffs) < 1e-4
+
     prompt = random_ids(30, seed=21)
     for turn in range(3):
-        out = warm.generate(prompt, GREEDY)
-        assert out.token_ids == cold.generate(prompt, GREEDY).token_ids
+        out = warm.generate(prompt, params)
+        assert_same_as_cold(out, prompt)
         if turn:  # the previous turns' states come from a snapshot, their KV from the prefix cache
             assert out.cached_tokens >= len(prompt) - 20
         prompt = prompt + out.token_ids + random_ids(7, seed=22 + turn)  # the next user message
     # Without its state snapshot a hybrid must not take the KV prefix hit: it recomputes from 0.
-    slots = warm.scheduler.state_slots
-    slots.slot_of_hash.clear()
-    out = warm.generate(prompt, GREEDY)
+    warm.scheduler.state_slots.slot_of_hash.clear()
+    out = warm.generate(prompt, params)
     assert out.cached_tokens == 0
-    assert out.token_ids == cold.generate(prompt, GREEDY).token_ids
+    assert_same_as_cold(out, prompt)
+
+
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text"])
+def test_engine_steps_never_sync_with_the_host(arch, hybrid_checkpoint):
+    """Prefill chunks, state resets / snapshot copies and batched decode: no .item(), nonzero or mask indexing."""
+    path, _ = hybrid_checkpoint(arch)
+    engine = make_engine(path)
+    for n in (30, 7):
+        engine.add_request(engine.make_request(random_ids(n, seed=n), copy.copy(GREEDY)))
+    with assert_no_host_sync():
+        while engine.has_unfinished:
+            engine.step()
 
 
 def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
@@ -260,20 +284,58 @@ def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
 def test_state_slots_snapshot_bookkeeping():
     slots = StateSlots(num_live=2, num_snapshots=2, block_size=4)
     h = [bytes([i]) * 16 for i in range(6)]
+
+    def save(request_id, num_hashes, start):  # plan a step, then launch it
+        restore, slot = slots.plan(request_id, h[:num_hashes], start)
+        if slot is not None:
+            slots.publish(slot)
+        return restore, slot
+
     live = slots.admit()
-    assert slots.plan("a", h[:1], 0) == (None, None)  # position 0: reset, nothing to save
-    assert slots.plan("a", h[:1], 3) == (None, None)  # not a block boundary
-    _, first = slots.plan("a", h[:2], 8)  # boundary after block 2: saved under its hash
-    _, rolled = slots.plan("a", h[:3], 12)
+    assert save("a", 1, 0) == (None, None)  # position 0: reset, nothing to save
+    assert save("a", 1, 3) == (None, None)  # not a block boundary
+    _, first = save("a", 2, 8)  # boundary after block 2: saved under its hash
+    _, rolled = save("a", 3, 12)
     assert first == rolled and slots.slot_of_hash == {h[2]: rolled}  # one rolling snapshot per sequence
     slots.release("a", live)
-    assert slots.match("b", h[:5]) == 3 and slots.plan("b", h[:3], 12) == (rolled, None)
+    assert slots.match("b", h[:5]) == 3 and save("b", 3, 12) == (rolled, None)
     assert slots.match("c", h[:2]) == 0  # no snapshot ends there: no prefix reuse at all
     # Pinned (a restore still to run) snapshots are never overwritten or evicted.
     assert slots.match("d", h[:3]) == 3
-    _, other = slots.plan("e", h[:5], 20)
-    _, none_left = slots.plan("f", h[:6], 24)
+    _, other = save("e", 5, 20)
+    _, none_left = save("f", 6, 24)
     assert other != rolled and none_left is None
     slots.release("d", None)  # the restore was dropped: the snapshot becomes evictable
-    _, evicted = slots.plan("f", h[:6], 24)
-    assert evicted == rolled and h[2] not in slots.slot_of_hash
+    _, evicted = save("f", 6, 24)
+    assert evicted == rolled and h[2] not in slots.slot_of_hash and slots.slot_of_hash[h[5]] == evicted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
+def test_compiled_decode_step_matches_eager(hybrid_checkpoint):
+    """The bucketed compiled decode step takes the rows' state slots; the padded 4th row uses the scratch slot."""
+    path, _ = hybrid_checkpoint("qwen3_5_moe_text")
+    kw = dict(max_num_batched_tokens=64)  # one prefill step, then every decode step has the same 3 rows: one compile
+    eager, compiled = make_engine(path, compile="off", **kw), make_engine(path, compile="on", **kw)
+    prompts = [random_ids(n, seed=n) for n in (5, 19, 11)]  # decode rows at different positions
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert compiled.runner.decode_graphs._seen  # the decode steps did run compiled
+    diffs = [abs(a.logprob - b.logprob) for o, e in zip(got, expected, strict=True) for a, b in zip(o.logprobs, e.logprobs, strict=True)]
+    assert max(diffs) < 1e-4
+
+
+def test_state_snapshot_is_published_only_once_its_copy_is_launched():
+    slots = StateSlots(num_live=1, num_snapshots=1, block_size=4)
+    h = [bytes([i]) * 16 for i in range(3)]
+    live = slots.admit()
+    _, planned = slots.plan("a", h[:1], 4)
+    assert planned is not None and slots.match("b", h[:1]) == 0  # the step was not launched yet
+    slots.release("a", live)  # e.g. the request stopped and its step was dropped: nothing was copied
+    assert slots.match("b", h[:1]) == 0 and slots.free_snapshots == [planned]  # the slot is not leaked
+    live = slots.admit()
+    _, planned = slots.plan("c", h[:2], 8)
+    slots.publish(planned)
+    slots.release("c", live)
+    assert slots.match("d", h[:3]) == 2

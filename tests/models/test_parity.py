@@ -29,7 +29,8 @@ def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
     config = copy.deepcopy(hf_model.generation_config)
     config.eos_token_id, config.pad_token_id = 10**6, 0  # an id outside the vocab: never produced
     config.max_new_tokens, config.do_sample = num_new, False
-    out = hf_model.generate(torch.tensor([ids]), generation_config=config)
+    input_ids = torch.tensor([ids])  # an explicit mask: pad_token_id 0 must not mask prompt tokens equal to 0
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
     return out[0, len(ids):].tolist()
 
 

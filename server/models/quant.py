@@ -1,0 +1,149 @@
+"""FP8 weights in the model: every linear and expert weight stored as float8_e4m3fn with one float32 scale
+per output row; embeddings, norms and routers stay in the model dtype (DESIGN.md §6).
+
+Two ways in: `quantize_for_loading` swaps modules while the model is still on the meta device, so each
+checkpoint tensor is quantized as it streams in (peak memory near the quantized size); `quantize_model`
+converts an already materialized model (benchmarks with random weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from server.kernels.fp8 import FP8_DTYPE, Fp8Linear, quantize_fp8_rowwise
+from server.kernels.moe_fp8 import moe_experts_fp8, quantize_experts
+from server.models.layers import FusedExperts, MergedLinear
+
+ROUTER_NAMES = ("gate", "shared_expert_gate")  # MoE routers stay in the model dtype
+
+
+class LoadableFp8Linear(Fp8Linear):
+    """Fp8Linear the weight loader fills one checkpoint tensor (or row block of a fused weight) at a time."""
+
+    checkpoint_buffers = ("weight",)
+
+    @classmethod
+    def like(cls, linear: nn.Linear, dtype: torch.dtype) -> LoadableFp8Linear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
+
+    @torch.no_grad()
+    def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
+        rows = index if isinstance(index, slice) else slice(0, self.out_features)
+        if leaf == "bias":
+            self.bias[rows].copy_(tensor)
+        else:
+            self.load_rows(rows, tensor)
+
+
+class Fp8MergedLinear(LoadableFp8Linear):
+    """Fp8Linear that keeps MergedLinear's fusion table, so the loader fills it one checkpoint tensor at a time."""
+
+    def __init__(self, merged: MergedLinear, dtype: torch.dtype):
+        super().__init__(merged.in_features, merged.out_features, merged.bias is not None, dtype, merged.weight.device)
+        self.output_sizes, self.source_names = merged.output_sizes, merged.source_names
+        self.shard_rows = merged.shard_rows
+
+
+class Fp8FusedExperts(nn.Module):
+    """FusedExperts with FP8 weights: gate_up_proj [E, 2I, H] + gate_up_scale [E, 2I], down_proj [E, H, I] + down_scale [E, H]."""
+
+    checkpoint_buffers = ("gate_up_proj", "down_proj")
+
+    def __init__(self, experts: FusedExperts):
+        super().__init__()
+        self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        self.per_expert_names = experts.per_expert_names
+        device = experts.gate_up_proj.device
+        self.register_buffer("gate_up_proj", torch.empty(experts.gate_up_proj.shape, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("gate_up_scale", torch.ones(experts.gate_up_proj.shape[:2], device=device))
+        self.register_buffer("down_proj", torch.empty(experts.down_proj.shape, dtype=FP8_DTYPE, device=device))
+        self.register_buffer("down_scale", torch.ones(experts.down_proj.shape[:2], device=device))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        return moe_experts_fp8(
+            x, weights, expert_ids, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale
+        )
+
+    @torch.no_grad()
+    def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
+        """Quantize a checkpoint tensor (one expert's rows, or all experts) into `leaf`[index]."""
+        scale = self.gate_up_scale if leaf == "gate_up_proj" else self.down_scale
+        target = getattr(self, leaf)
+        tensor = tensor.to(target.device)
+        if index is None:
+            quantized, row_scale = quantize_experts(tensor)
+            target.copy_(quantized)
+            scale.copy_(row_scale)
+            return
+        quantized, row_scale = quantize_fp8_rowwise(tensor)
+        target[index].copy_(quantized)
+        scale[index].copy_(row_scale.squeeze(-1))
+
+
+def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """Every projection FP8 applies to: not routers, not an LM head tied to the embedding."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model, "lm_head") else False
+    found = {}
+    for name, module in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, nn.Linear) and leaf not in ROUTER_NAMES and not (tied and leaf == "lm_head"):
+            found[name] = module
+    return found
+
+
+def plan_kept_layers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
+    """Linears to keep in the model dtype because FP8 measured slower for their shape on this device, within
+    ~5% of the weight bytes (kernels.fp8_policy). Only measured on accelerators: CPU FP8 is a reference path."""
+    if device.type not in ("cuda", "mps"):
+        return set()
+    from server.kernels.fp8_policy import plan_fp8_layers
+
+    linears = quantizable_linears(model)
+    shapes = {name: (m.out_features, m.in_features) for name, m in linears.items()}
+    itemsize = torch.finfo(dtype).bits // 8
+    total = sum(p.numel() * itemsize for p in model.parameters())
+    total -= sum(m.weight.numel() * (itemsize - 1) for m in linears.values())
+    total -= sum(e.gate_up_proj.numel() * (itemsize - 1) + e.down_proj.numel() * (itemsize - 1)
+                 for e in model.modules() if isinstance(e, FusedExperts))
+    return plan_fp8_layers(shapes, device, dtype, total)
+
+
+def quantize_for_loading(model: nn.Module, dtype: torch.dtype, keep: set[str] = frozenset()) -> None:
+    """On the meta device: swap linears (except `keep`) and experts for their FP8 forms, in place."""
+    for name, linear in quantizable_linears(model).items():
+        if name in keep:
+            continue
+        swapped = Fp8MergedLinear(linear, dtype) if isinstance(linear, MergedLinear) else LoadableFp8Linear.like(linear, dtype)
+        _replace(model, name, swapped)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts):
+            _replace(model, name, Fp8FusedExperts(module))
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, method: str = "fp8", plan: bool = True) -> nn.Module:
+    """Convert a materialized model to FP8 in place, one layer at a time (with the measured keep-plan)."""
+    if method != "fp8":
+        raise ValueError(f"unknown quantization {method!r}; use fp8")
+    param = next(model.parameters())
+    dtype = param.dtype
+    keep = plan_kept_layers(model, param.device, dtype) if plan else set()
+    for name, linear in quantizable_linears(model).items():
+        if name in keep:
+            continue
+        swapped = Fp8MergedLinear(linear, dtype) if isinstance(linear, MergedLinear) else LoadableFp8Linear.like(linear, dtype)
+        swapped.load_rows(slice(0, linear.out_features), linear.weight)
+        _replace(model, name, swapped)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FusedExperts):
+            fp8 = Fp8FusedExperts(module)
+            fp8.load_weight("gate_up_proj", None, module.gate_up_proj)
+            fp8.load_weight("down_proj", None, module.down_proj)
+            _replace(model, name, fp8)
+    return model
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
