@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,8 @@ def write_byte_tokenizer(model_dir: Path, eos_token_id: int = 2) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.save(str(model_dir / "tokenizer.json"))
     eos = next(ch for ch, i in vocab.items() if i == eos_token_id)
-    (model_dir / "tokenizer_config.json").write_text(
-        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": %s}' % __import__("json").dumps(eos)
-    )
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:

@@ -7,7 +7,6 @@ from enum import Enum
 
 from server.engine.types import SamplingParams
 
-
 PLACEHOLDER = -1  # a sampled token whose value is still on the device
 
 

@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
 
