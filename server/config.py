@@ -20,7 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512  # token budget per step; also the prefill chunk size
     block_size: int = 16
-    kv_cache_memory_bytes: int | None = None  # None: a fraction of free device memory
+    kv_cache_memory_bytes: int | None = None  # paged KV only; None: a fraction of free memory (hybrid states included)
     kv_cache_memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step

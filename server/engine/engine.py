@@ -70,7 +70,7 @@ class Engine:
         self.model_name = model_name
         self.vocab_size = model.args.vocab_size
         shapes = model.kv_cache_shapes()
-        self.state_cache, state_slots = self._state_pool()  # hybrids only; its bytes come off the KV budget
+        self.state_cache, state_slots = self._state_pool()  # hybrids only; see _num_kv_blocks for its memory
         num_blocks = self._num_kv_blocks(shapes)
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
         self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
@@ -137,10 +137,10 @@ class Engine:
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config
         per_block = KVCache.bytes_per_block(shapes, config.block_size, self.dtype)
-        budget = config.kv_cache_memory_bytes
-        if budget is None:
+        budget = config.kv_cache_memory_bytes  # explicit: for the paged KV alone
+        if budget is None:  # a share of free memory, which the hybrids' fixed states also draw from
             budget = int(device_mod.free_memory_bytes(self.device) * config.kv_cache_memory_fraction)
-        budget -= self._state_bytes
+            budget -= self._state_bytes
         blocks_per_seq = -(-self.max_model_len // config.block_size)
         num_blocks = min(budget // per_block, config.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq and num_blocks < 2:

@@ -259,7 +259,7 @@ def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
     probe = make_engine(path, enable_prefix_caching=False)
     per_block = KVCache.bytes_per_block(probe.model.kv_cache_shapes(), 4, torch.float32)
     # 4 requests of 60 tokens need 60 blocks; 24 fit, so running requests get preempted and recomputed.
-    engine = make_engine(path, enable_prefix_caching=False, kv_cache_memory_bytes=probe._state_bytes + 24 * per_block)
+    engine = make_engine(path, enable_prefix_caching=False, kv_cache_memory_bytes=24 * per_block)  # KV only
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompts = [random_ids(40, seed=30 + i) for i in range(4)]
     requests = [engine.make_request(p, copy.copy(params)) for p in prompts]
