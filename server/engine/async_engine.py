@@ -17,7 +17,15 @@ from typing import Any
 from server.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.request import Request
-from server.engine.types import ChatPrompt, EngineError, EngineStats, QueueFullError, SamplingParams, StreamDelta
+from server.engine.types import (
+    ChatPrompt,
+    EngineError,
+    EngineStats,
+    InvalidRequestError,
+    QueueFullError,
+    SamplingParams,
+    StreamDelta,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +84,8 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
         self._stats = EngineStats()
-        self._num_pending = 0  # submitted but not yet taken by the engine thread
+        self._num_pending = 0  # submitted but not yet taken by the engine thread (both threads update it)
+        self._pending_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256) -> AsyncEngine:
@@ -93,12 +102,16 @@ class AsyncEngine:
         return ChatPrompt(text)
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> _Handle:
-        if self._stats.num_waiting + self._num_pending >= self.max_waiting_requests:
-            raise QueueFullError(self._stats.num_waiting + self._num_pending)
+        num_waiting = self._stats.num_waiting + self._num_pending
+        if num_waiting >= self.max_waiting_requests:
+            raise QueueFullError(num_waiting)
+        if request_id is not None and request_id in self._handles:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
         handle = _Handle(self, request, asyncio.get_running_loop())
         self._handles[request.request_id] = handle
-        self._num_pending += 1
+        with self._pending_lock:
+            self._num_pending += 1
         self._commands.put(("add", request))
         self._wakeup.set()
         return handle
@@ -155,9 +168,16 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self._num_pending -= 1
-                if value.request_id in self._handles:
+                with self._pending_lock:
+                    self._num_pending -= 1
+                handle = self._handles.get(value.request_id)
+                if handle is None:
+                    continue
+                try:
                     self.engine.add_request(value)
+                except ValueError as exc:  # e.g. a request id already in use: fail this request, not the loop
+                    self._handles.pop(value.request_id, None)
+                    handle._push(InvalidRequestError(str(exc), param="request_id"))
             elif kind == "abort":
                 delta = self.engine.abort(value)
                 self._handles.pop(value, None)

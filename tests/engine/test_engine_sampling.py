@@ -57,3 +57,28 @@ def test_repetition_penalty_changes_greedy_output_consistently(engine):
     assert penal != plain
     # With a strong penalty no generated token repeats an earlier output token.
     assert len(set(penal)) == len(penal)
+
+
+def test_async_engine_streams_rejects_duplicate_ids_and_keeps_serving(engine):
+    import asyncio
+
+    from server.engine.async_engine import AsyncEngine
+    from server.engine.types import InvalidRequestError
+
+    async def main():
+        served = AsyncEngine(engine)
+        await served.start()
+        try:
+            params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+            first = served.submit(random_ids(8, 1), params, request_id="same")
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                served.submit(random_ids(8, 2), params, request_id="same")
+            tokens = [t for d in [d async for d in first] for t in d.token_ids]
+            alone = [t for d in [d async for d in served.stream(random_ids(8, 3), params)] for t in d.token_ids]
+            return tokens, alone
+        finally:
+            await served.shutdown()
+
+    tokens, alone = asyncio.run(main())
+    assert tokens == engine.generate(random_ids(8, 1), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)).token_ids
+    assert len(alone) == 6
