@@ -14,11 +14,11 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc
                                 reason="inductor needs a C compiler on the CPU")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe"])
-def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
+@pytest.mark.parametrize("arch, decode_attention", [("qwen3_moe", "sdpa"), ("llama", "reduce")])
+def test_compiled_decode_matches_eager(arch, decode_attention, tiny_checkpoint):
     path, _ = tiny_checkpoint(arch)
     eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
-    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_attention=decode_attention)
     assert compiled.runner.decode_graphs is not None
     prompts = [random_ids(n, n) for n in (5, 19, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
