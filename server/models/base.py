@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
@@ -75,3 +76,24 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= orig / high) & (wavelen <= orig / low)
     return torch.where(is_medium, blended, scaled)
+
+
+class CausalLM(nn.Module):
+    """What every architecture shares: `model.embed_tokens`, an `lm_head` (maybe tied), checkpoint name mapping."""
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding; the loader calls this again after `to_empty`, which gives
+        every module its own tensor."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def sanitize(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to this model's name; None skips it."""
+        if "rotary_emb.inv_freq" in name or "pos_emb.inv_freq" in name:
+            return None
+        if self.args.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_tokens, vocab]

@@ -18,7 +18,7 @@ from torch import nn
 from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
-from server.models.base import AttentionMetadata
+from server.models.base import AttentionMetadata, CausalLM
 from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ class HybridBody(nn.Module):
         setattr(self, final_norm_name, final_norm)
 
 
-class HybridModel(nn.Module):
+class HybridModel(CausalLM):
     """Decoder with attention and state layers. Subclasses build the layers (`make_layer`) and the final norm.
 
     `kv_cache_shapes()` lists the attention layers only (kv_caches passed to forward align with them);
@@ -288,12 +288,6 @@ class HybridModel(nn.Module):
         ]
         self._skipped_logged: set[str] = set()
 
-    def tie_weights(self) -> None:
-        """LFM2 ties lm_head to the embedding (no lm_head in the checkpoint); the loader calls this again
-        after materializing the model from the meta device."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
         raise NotImplementedError
 
@@ -322,11 +316,7 @@ class HybridModel(nn.Module):
                     self._skipped_logged.add(prefix)
                     log.info("ignoring checkpoint tensors %s* (not part of the text model)", prefix)
                 return None
-        if "rotary_emb.inv_freq" in name or "pos_emb.inv_freq" in name:
-            return None
-        if self.args.tie_word_embeddings and name == "lm_head.weight":
-            return None
-        return name
+        return super().sanitize(name)
 
     def forward(
         self,
@@ -342,9 +332,6 @@ class HybridModel(nn.Module):
             cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
             x = layer(x, rope, meta, cache)
         return getattr(self.model, self.model.final_norm_name)(x)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_tokens, vocab]
 
 
 def lfm2_attention(hidden_size: int, num_heads: int, num_kv_heads: int, eps: float) -> Attention:

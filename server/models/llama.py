@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.models.base import AttentionMetadata, BaseModelArgs
+from server.models.base import AttentionMetadata, BaseModelArgs, CausalLM
 from server.models.layers import Attention, GatedMLP, RMSNorm, RotaryEmbedding
 
 
@@ -67,7 +67,7 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
-class Model(nn.Module):
+class Model(CausalLM):
     """Decoder-only LM over the paged KV cache: forward() returns hidden states, compute_logits() the logits."""
 
     qk_norm = False
@@ -81,10 +81,6 @@ class Model(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
-    def tie_weights(self) -> None:
-        """Share the LM head with the embedding (again after `to_empty`, which gives each module its own tensor)."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, args: ModelArgs, layer_idx: int) -> nn.Module:
         return GatedMLP(args.hidden_size, args.intermediate_size)
@@ -92,14 +88,6 @@ class Model(nn.Module):
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each layer's KV cache, in layer order."""
         return [(self.args.num_key_value_heads, self.args.head_dim)] * self.args.num_hidden_layers
-
-    def sanitize(self, name: str) -> str | None:
-        """Map a checkpoint tensor name to this model's name; None skips it."""
-        if "rotary_emb.inv_freq" in name:
-            return None
-        if self.args.tie_word_embeddings and name == "lm_head.weight":
-            return None
-        return name
 
     def forward(
         self,
@@ -113,6 +101,3 @@ class Model(nn.Module):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, meta, kv_cache)
         return self.model.norm(x)  # [num_tokens, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_tokens, vocab]

@@ -159,15 +159,9 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
 
 def test_sse_delivery_script_streams_the_engine_text(tmp_path):
     """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text."""
-    import importlib.util
-    from pathlib import Path
-
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "sse_delivery.py"
-    spec = importlib.util.spec_from_file_location("sse_delivery", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    import benchmarks.sse_delivery as module  # a package import, so the client process can import it too
     out = tmp_path / "sse.jsonl"
     argv = ["--preset", "tiny-moe", "--device", "cpu", "--streams", "1,3", "--max-tokens", "6", "--prompt-len", "8",
             "--reps", "1", "--json", str(out)]
