@@ -1,0 +1,86 @@
+"""Per-token decode time by kind of kernel, kernels launched per step, and the gaps between them.
+
+    PYTHONPATH=. python3 benchmarks/decode_breakdown.py --shape qwen3-30b-a3b [--graphs 0]
+
+Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler
+and classifies every GPU kernel by name (regexes below; inductor names kernels after the ops it fused, so a
+fused kernel lands in the first category whose pattern it matches). gaps = wall time per step - kernel time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.decode_smoke import SHAPES, build, timed_generate
+from server.config import EngineConfig
+from server.engine.engine import Engine
+from server.engine.types import SamplingParams
+
+CATEGORIES = [  # (name, pattern on the kernel name), first match wins
+    ("kv write", r"index_put|index_copy"),
+    ("attention", r"attention|sdpa|fmha|flash|_efficient_|softmax.*(bitwise|masked)|masked_fill"),
+    ("moe routing", r"topk|sort|searchsorted|sigmoid.*add|softmax"),
+    ("moe experts", r"grouped|gather.*silu|silu.*gather|bmm"),
+    ("gemm / gemv", r"nvjet|gemm|gemv|cutlass|splitK|cublas|sm90_xmma|mm_"),
+    ("norms / rope / act", r"rsqrt|mean|cos|sin|silu|mul|add"),
+    ("sampling", r"argmax|exponential|log|cumsum|scatter"),
+]
+
+
+def classify(name: str) -> str:
+    lowered = name.lower()
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, lowered):
+            return category
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    parser.add_argument("--graphs", default="1")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=32)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build(args.shape, device, torch.bfloat16)
+    config = EngineConfig(model=args.shape, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
+                          max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
+                          cuda_graphs=args.graphs == "1")
+    engine = Engine.from_model(model, config, device)
+    prompts = [list(range(1, 129))] * args.batch
+    timed_generate(engine, prompts, 129)  # compile and capture
+    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    per_category: dict[str, float] = defaultdict(float)
+    kernels: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
+            category = classify(event.name)
+            per_category[category] += event.device_time_total / 1e3  # ms
+            kernels[category] += 1
+    steps = args.steps + 1  # the prefill step is included; it is small next to 32 decode steps at 128 tokens
+    kernel_ms = sum(per_category.values())
+    rows = {c: round(ms / steps, 3) for c, ms in sorted(per_category.items(), key=lambda kv: -kv[1])}
+    print(json.dumps({"shape": args.shape, "graphs": args.graphs, "batch": args.batch,
+                      "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
+                      "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
+                      "kernels_per_step": round(sum(kernels.values()) / steps, 1),
+                      "ms_per_step_by_category": rows,
+                      "kernels_per_step_by_category": {c: round(n / steps, 1) for c, n in kernels.items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
