@@ -118,7 +118,7 @@ class Engine:
         quantization = None if config.quantization in (None, "none") else config.quantization
         model, hf_config = load_model(model_dir, torch_device, dtype, quantization)
         tokenizer = Tokenizer.from_pretrained(model_dir)
-        limit = int(hf_config.get("max_position_embeddings", 4096))
+        limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
         max_model_len = min(config.max_model_len or limit, limit)
         return cls(model, tokenizer, config, torch_device, dtype, max_model_len, config.model)
 

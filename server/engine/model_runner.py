@@ -154,10 +154,6 @@ class ModelRunner:
         self._feed_pending(inputs[0], pending, prev)
         return self.decode_graphs.run(inputs)[: len(chunks)]
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Launch and wait: the synchronous form of one step."""
-        return self.launch(out).resolve()
-
     def _prepare(self, chunks: list[ScheduledChunk]):
         block_size = self.kv_cache.block_size
         num_seqs = len(chunks)

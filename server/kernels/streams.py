@@ -55,6 +55,3 @@ class DeviceStreams:
             event.record()
         tensor.record_stream(self._stream)  # the allocator must not reuse `tensor` before the copy reads it
         return PendingCopy(host, event)
-
-
-HostCopy = DeviceStreams  # the name the engine's first draft used
