@@ -80,8 +80,8 @@ class Generation:
         remaining = len(self.choices)
         while remaining:
             try:
-                choice, payload = await asyncio.wait_for(self._queue.get(), keepalive_s)
-            except asyncio.TimeoutError:
+                choice, payload = await self._next(keepalive_s)
+            except (TimeoutError, asyncio.TimeoutError):  # distinct types before Python 3.11
                 yield KEEPALIVE
                 continue
             if isinstance(payload, BaseException):
@@ -99,6 +99,16 @@ class Generation:
                 continue  # nothing counts after the final delta
             self._observe(choice, payload)
             yield choice, payload
+
+    async def _next(self, timeout_s: float | None):
+        """The next queued item; TimeoutError after `timeout_s`. Ready items skip the timer, and the timer is
+        a cancel scope rather than wait_for's extra task per item (measured on the SSE path at 16 streams)."""
+        if not self._queue.empty() or timeout_s is None:
+            return self._queue.get_nowait() if not self._queue.empty() else await self._queue.get()
+        if hasattr(asyncio, "timeout"):  # Python 3.11+
+            async with asyncio.timeout(timeout_s):
+                return await self._queue.get()
+        return await asyncio.wait_for(self._queue.get(), timeout_s)
 
     async def _read(self, choice: Choice) -> None:
         try:
