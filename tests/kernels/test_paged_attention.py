@@ -1,0 +1,75 @@
+"""Paged attention (prefill and decode forms) against a naive per-sequence causal attention, fresh inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from server.kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
+from server.models.base import AttentionMetadata
+
+
+def naive(q, k, v, scale):  # q [T, H, D] for positions start..start+T-1; k, v [S, Hkv, D] for positions 0..S-1
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    start = k.shape[0] - q.shape[0]
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * scale
+    mask = torch.arange(k.shape[0])[None, :] <= (start + torch.arange(q.shape[0]))[:, None]
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v.double()).float()
+
+
+def build_case(seed: int, lens: list[tuple[int, int]], block_size=4, heads=4, kv_heads=2, dim=8):
+    """lens: (num_cached, num_new) per sequence. Returns q, caches, meta, expected output."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    qs, ks, vs, slots, rows, cols, expected = [], [], [], [], [], [], []
+    max_q, max_blocks = max(n for _, n in lens), max(-(-(c + n) // block_size) for c, n in lens)
+    tables, query_index, query_pos = [], [], []
+    for row, (cached, new) in enumerate(lens):
+        total = cached + new
+        blocks = [free.pop() for _ in range(-(-total // block_size))]
+        k_all = torch.randn(total, kv_heads, dim, generator=gen)
+        v_all = torch.randn(total, kv_heads, dim, generator=gen)
+        for pos in range(cached):  # already in the cache
+            k_cache[blocks[pos // block_size], pos % block_size] = k_all[pos]
+            v_cache[blocks[pos // block_size], pos % block_size] = v_all[pos]
+        q = torch.randn(new, heads, dim, generator=gen)
+        qi = []
+        for j in range(new):
+            pos = cached + j
+            qi.append(len(slots))
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            rows.append(row)
+            cols.append(j)
+        qs.append(q)
+        ks.append(k_all[cached:])
+        vs.append(v_all[cached:])
+        expected.append(naive(q, k_all, v_all, dim**-0.5))
+        tables.append(blocks + [0] * (max_blocks - len(blocks)))
+        query_index.append(qi + [0] * (max_q - new))
+        query_pos.append([cached + j for j in range(new)] + [0] * (max_q - new))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor(tables), query_index=torch.tensor(query_index),
+        query_positions=torch.tensor(query_pos), token_rows=torch.tensor(rows), token_cols=torch.tensor(cols),
+    )
+    return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, torch.cat(expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mixed_prefill_and_decode_batch(seed):
+    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)])
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    assert (out - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_decode_form_matches(seed):
+    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(11, 1), (2, 1), (30, 1)])
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
+    assert (out - expected).abs().max() < 1e-5
