@@ -9,7 +9,7 @@ event and the stream closes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,32 +80,22 @@ async def stream_chat(ctx: ResponseContext) -> AsyncIterator[str]:
     held_logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in gen.choices}
     for c in gen.choices:
         yield chunk(c.index, {"role": "assistant", "content": ""})
-    try:
-        async for item in gen.events(ctx.keepalive_s):
-            if item is KEEPALIVE:
-                yield KEEPALIVE_COMMENT
-                continue
-            choice, delta = item
-            if delta.finish_reason == "abort":
-                yield sse_data(_abort_error(gen).body())
-                return
-            parser = parsers[choice.index]
-            parts = parser.feed(delta.text)
-            if delta.finish_reason is not None:
-                parts += parser.finish()
-            logprobs = held_logprobs[choice.index] + (delta.logprobs or [])
-            for d in delta_dicts(parts, ctx.reasoning_field):
-                yield chunk(choice.index, d, logprobs=logprobs)
-                logprobs = []  # the tokens' logprobs go with the first chunk they produced
-            held_logprobs[choice.index] = logprobs
-            if delta.finish_reason is not None:
-                finish = _chat_finish_reason(delta.finish_reason, parser)
-                yield chunk(choice.index, {}, finish, logprobs=logprobs)
-        if ctx.include_usage:
-            yield sse_data({**header, "choices": [], "usage": gen.usage()})
-        yield DONE
-    except Exception as exc:
-        yield _stream_error(exc)
+
+    def on_delta(choice: Choice, delta: StreamDelta) -> Iterator[str]:
+        parser = parsers[choice.index]
+        parts = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            parts += parser.finish()
+        logprobs = held_logprobs[choice.index] + (delta.logprobs or [])
+        for d in delta_dicts(parts, ctx.reasoning_field):
+            yield chunk(choice.index, d, logprobs=logprobs)
+            logprobs = []  # the tokens' logprobs go with the first chunk they produced
+        held_logprobs[choice.index] = logprobs
+        if delta.finish_reason is not None:
+            yield chunk(choice.index, {}, _chat_finish_reason(delta.finish_reason, parser), logprobs=logprobs)
+
+    async for line in _event_stream(ctx, header, on_delta):
+        yield line
 
 
 async def stream_completion(ctx: ResponseContext) -> AsyncIterator[str]:
@@ -127,6 +117,23 @@ async def stream_completion(ctx: ResponseContext) -> AsyncIterator[str]:
     for c in gen.choices:
         if ctx.echo_prompts:
             yield chunk(c, ctx.echo_prompts[c.prompt_index])
+
+    def on_delta(choice: Choice, delta: StreamDelta) -> Iterator[str]:
+        if delta.text or delta.logprobs:
+            yield chunk(choice, delta.text, logprobs=delta.logprobs)
+        if delta.finish_reason is not None:
+            yield chunk(choice, "", delta.finish_reason)
+
+    async for line in _event_stream(ctx, header, on_delta):
+        yield line
+
+
+async def _event_stream(
+    ctx: ResponseContext, header: dict, on_delta: Callable[[Choice, StreamDelta], Iterator[str]]
+) -> AsyncIterator[str]:
+    """What chat and text completions share: keepalives, an abort as an error event, the usage chunk, [DONE],
+    and an engine failure sent as `data: {"error": ...}` before the stream closes."""
+    gen = ctx.generation
     try:
         async for item in gen.events(ctx.keepalive_s):
             if item is KEEPALIVE:
@@ -136,10 +143,8 @@ async def stream_completion(ctx: ResponseContext) -> AsyncIterator[str]:
             if delta.finish_reason == "abort":
                 yield sse_data(_abort_error(gen).body())
                 return
-            if delta.text or delta.logprobs:
-                yield chunk(choice, delta.text, logprobs=delta.logprobs)
-            if delta.finish_reason is not None:
-                yield chunk(choice, "", delta.finish_reason)
+            for line in on_delta(choice, delta):
+                yield line
         if ctx.include_usage:
             yield sse_data({**header, "choices": [], "usage": gen.usage()})
         yield DONE
