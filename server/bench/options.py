@@ -11,6 +11,7 @@ import tomllib
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_DECODE_TOKENS = 128
+QUANTIZATIONS = ("none", "fp8")
 
 EPILOG = """\
 Measures through the real Engine: prefill tok/s = B * prompt_len / time(generate 1 token); steady decode
@@ -37,7 +38,7 @@ class BenchOptions:
     decode_tokens: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    quantize: str = "none"
+    quantize: tuple[str, ...] = ("none",)  # each measured in turn, side by side with one peer
     json_path: str | None = None
     compare: str | None = None  # None | "transformers"
     peer_experts: str = "keep-grouped"  # keep-grouped | transformers-default | best
@@ -55,6 +56,14 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return values
+
+
+def _quantize_list(text: str) -> tuple[str, ...]:
+    values = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    bad = [v for v in values if v not in QUANTIZATIONS]
+    if bad or not values:
+        raise argparse.ArgumentTypeError(f"--quantize takes {', '.join(QUANTIZATIONS)} or a comma list of them, got {text!r}")
     return values
 
 
@@ -83,7 +92,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
     bench.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
     bench.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
-    bench.add_argument("--quantize", choices=["none", "fp8"], default="none")
+    bench.add_argument("--quantize", type=_quantize_list, default=("none",),
+                       help="none, fp8, or both as none,fp8 (measured in turn, side by side with one peer)")
     bench.add_argument("--json", dest="json_path", default=None, help="append one JSON object per batch size")
     bench.add_argument("--compare", choices=["transformers"], default=None)
     bench.add_argument("--peer-experts", choices=["keep-grouped", "transformers-default", "best"],

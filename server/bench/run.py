@@ -83,36 +83,47 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
     release(device)  # hand the copy buffers back before the model is built
     calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
-    sides = 2 if opts.compare else 1
+    sides = len(opts.quantize) + (1 if opts.compare else 0)
+    ours: dict[str, tuple[Series, Any, dict]] = {}
     with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
         progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
-        ours, weights, info = measure_ours(opts, target, device, dtype, prompts, (n_short, n_long), progress)
-        release(device)
+        for quantize in opts.quantize:
+            ours[quantize] = measure_ours(opts, quantize, target, device, dtype, prompts, (n_short, n_long), progress)
+            release(device)
         peer = None
         if opts.compare:
-            is_moe = weights.num_experts > 0
+            is_moe = next(iter(ours.values()))[1].num_experts > 0
             peer = measure_peer(opts, target, device, dtype, prompts, (n_short, n_long), is_moe, progress)
         release(device)
     common = {
         "preset": target.name, "model_type": target.hf_config["model_type"], "device": device.type,
-        "gpu_name": device_name(device), "dtype": str(dtype).removeprefix("torch."), "quantize": opts.quantize,
+        "gpu_name": device_name(device), "dtype": str(dtype).removeprefix("torch."),
         "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
         "copy_gb_s": copy_gb_s, "torch_version": torch.__version__,
         "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **info,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    records = [build_record(common, b, ours, peer, weights, copy_gb_s) for b in batch_sizes]
+    peer_weights = None
+    if peer is not None:  # transformers reads the unquantized weights, whichever of ours it is compared with
+        from server.bench.random_model import empty_model
+
+        peer_weights = measure.weight_bytes(empty_model(target.hf_config, "meta", dtype))
+    records = [
+        build_record({**common, "quantize": quantize, **info}, b, series, peer, weights, peer_weights, copy_gb_s)
+        for quantize, (series, weights, info) in ours.items() for b in batch_sizes
+    ]
     if opts.json_path:
         report.append_json_lines(opts.json_path, records)
     return records
 
 
-def build_record(common: dict, batch_size: int, ours: Series, peer: Series | None, weights, copy_gb_s: float) -> dict:
+def build_record(common: dict, batch_size: int, ours: Series, peer: Series | None, weights, peer_weights,
+                 copy_gb_s: float) -> dict:
     record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
     record["sample_token_ids"] = ours.tokens[batch_size]
     if peer is not None and batch_size in peer.rates:
-        record.update(report.speed_fields(peer.rates[batch_size], weights, copy_gb_s, prefix="peer_"))
+        record.update(report.speed_fields(peer.rates[batch_size], peer_weights, copy_gb_s, prefix="peer_"))
         record["speedup_vs_peer"] = record["decode_tok_s"] / record["peer_decode_tok_s"]
         record["peer_sample_token_ids"] = peer.tokens[batch_size]
         record["peer_tokens_match_prefix"] = _common_prefix(ours.tokens[batch_size], peer.tokens[batch_size])
@@ -127,12 +138,13 @@ def build_record(common: dict, batch_size: int, ours: Series, peer: Series | Non
     return record
 
 
-def measure_ours(opts, target: Target, device, dtype, prompts, lengths, progress) -> tuple[Series, Any, dict]:
+def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, lengths,
+                 progress) -> tuple[Series, Any, dict]:
     from server.engine.types import SamplingParams
 
-    progress.set_description(f"ours: building {target.name}")
+    progress.set_description(f"ours: building {target.name} ({quantize})")
     max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
-    config = engine_config(opts, target, device, dtype, max(prompts), max_len)
+    config = engine_config(opts, quantize, target, device, dtype, max(prompts), max_len)
     build_s, engine = measure.timed(lambda: _build_engine(opts, target, config, device, dtype, max_len), device)
     weights = measure.weight_bytes(engine.model)
     info = {
@@ -147,9 +159,9 @@ def measure_ours(opts, target: Target, device, dtype, prompts, lengths, progress
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         return [out.token_ids for out in engine.generate(batch, params)]
 
-    series = Series()
+    series, side = Series(), "ours" if quantize == "none" else f"ours {quantize}"
     for batch in prompts.values():
-        measure_series(series, "ours", generate, device, batch, lengths, opts.reps, progress)
+        measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
     return series, weights, info
 
 
@@ -160,26 +172,11 @@ def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max
         return Engine.from_config(config)
     from server.bench.random_model import build_random_model
 
-    model = quantize(build_random_model(target.hf_config, device, dtype, opts.seed), opts.quantize)
+    model = build_random_model(target.hf_config, device, dtype, opts.seed, config.quantization)
     return Engine.from_model(model, config, device, max_model_len=max_len)
 
 
-def quantize(model, method: str):
-    """FP8 for random-weight presets goes through the engine's own model quantizer, so the bench measures
-    exactly what serving runs."""
-    if method == "none":
-        return model
-    try:
-        from server.engine.weights import quantize_model
-    except ImportError:
-        raise ValueError(
-            f"--quantize {method} with --preset needs server.engine.weights.quantize_model(model, method), which "
-            "this engine does not have yet; run without --quantize, or bench a checkpoint (MODEL)"
-        ) from None
-    return quantize_model(model, method) or model
-
-
-def engine_config(opts, target: Target, device, dtype, max_batch: int, max_len: int) -> EngineConfig:
+def engine_config(opts, quantize: str, target: Target, device, dtype, max_batch: int, max_len: int) -> EngineConfig:
     from server.bench.random_model import empty_model
     from server.engine.model_runner import KVCache
 
@@ -195,7 +192,7 @@ def engine_config(opts, target: Target, device, dtype, max_batch: int, max_len: 
     dtype_name = str(dtype).removeprefix("torch.")
     return dataclasses.replace(
         base, model=target.name, device=device.type, dtype=dtype_name,
-        quantization=None if opts.quantize == "none" else opts.quantize,
+        quantization=None if quantize == "none" else quantize,
         max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False,
         kv_cache_memory_bytes=KVCache.bytes_per_block(shapes, block_size, dtype) * num_blocks,
         **opts.engine_options,
@@ -207,6 +204,11 @@ def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: 
 
     series = Series()
     progress.set_description("peer: building transformers model")
+    too_big = _peer_does_not_fit(target, device, dtype)
+    if too_big:
+        series.notes.append(too_big)
+        progress.write(too_big)
+        return series
     try:
         if target.model_dir is not None:
             model = peer_mod.build_peer_from_checkpoint(target.model_dir, device, dtype)
@@ -216,7 +218,7 @@ def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: 
         series.notes.append(f"transformers could not build the model: {type(exc).__name__}: {exc}")
         progress.write(series.notes[-1])
         return series
-    if opts.quantize != "none":
+    if opts.quantize != ("none",):
         series.notes.append(f"the peer runs unquantized {str(dtype).removeprefix('torch.')}")
     max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
     modes = peer_mod.best_modes(device, is_moe, opts.peer_experts)
@@ -228,6 +230,22 @@ def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: 
             series.notes.append(f"transformers failed at batch {len(batch)}: {type(exc).__name__}: {_first_line(exc)}")
             progress.write(series.notes[-1])
     return series
+
+
+def _peer_does_not_fit(target: Target, device, dtype) -> str | None:
+    """Why transformers' unquantized model cannot be built on this device, or None (checked up front: an 80B
+    model's out-of-memory error takes a minute to reach)."""
+    if device.type != "cuda":
+        return None
+    from server.bench.random_model import empty_model
+
+    needed = measure.total_weight_bytes(empty_model(target.hf_config, "meta", dtype))
+    free, _total = torch.cuda.mem_get_info(device)
+    if needed <= 0.95 * free:
+        return None
+    return (f"transformers not measured: its {str(dtype).removeprefix('torch.')} weights need "
+            f"{needed / 1e9:.1f} GB and the device has {free / 1e9:.1f} GB free (one GPU; transformers would need "
+            "a device_map over several)")
 
 
 def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps,

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
-from server.models.quant import plan_kept_layers, quantize_for_loading, quantize_model  # noqa: F401  (quantize_model: bench)
+from server.models.quant import plan_kept_layers, quantize_for_loading
 from server.models.registry import get_model_module
 
 log = logging.getLogger(__name__)

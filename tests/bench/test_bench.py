@@ -43,11 +43,16 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     code = main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "8", "--prompt-len",
                  "16", "--json", str(out), "--compare", "transformers", "--device", "cpu", "--reps", "1",
-                 "--copy-mib", "8"])
+                 "--copy-mib", "8", "--quantize", "none,fp8"])
     assert code == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["batch_size"] for r in records] == [1, 2]
+    assert [(r["quantize"], r["batch_size"]) for r in records] == [("none", 1), ("none", 2), ("fp8", 1), ("fp8", 2)]
+    records, fp8 = records[:2], records[2:]
     config = presets.load_preset("tiny-moe").hf_config
+    for r, q in zip(records, fp8, strict=True):  # one peer, measured once, beside both
+        assert q["peer_decode_tok_s"] == r["peer_decode_tok_s"] and q["peer_achieved_gb_s"] == r["peer_achieved_gb_s"]
+        assert q["weight_bytes_per_step"] < 0.5 * r["weight_bytes_per_step"]  # fp32 experts -> fp8
+        assert q["speedup_vs_peer"] == pytest.approx(q["decode_tok_s"] / q["peer_decode_tok_s"])
     for r in records:
         assert not [k for k in REQUIRED if k not in r]
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in POSITIVE), {k: r[k] for k in POSITIVE}
@@ -62,7 +67,7 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     one, two = records
     assert two["weight_bytes_per_step"] > one["weight_bytes_per_step"] == one["weight_bytes_per_token"]
     table = capsys.readouterr().out
-    assert "decode tok/s" in table and "speedup" in table
+    assert "decode tok/s" in table and "speedup" in table and "quantize=none,fp8" in table
 
 
 def test_transformers_gets_exactly_our_random_weights():
@@ -78,6 +83,37 @@ def test_transformers_gets_exactly_our_random_weights():
     assert logits.shape == ref.shape == (37, config["vocab_size"])
     assert (logits - ref).abs().max().item() < 1e-4
     assert logits.std().item() > 1e-3  # not a degenerate (all-equal) model
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor  # fp8 has no equal on CPU
+
+
+def _tiny_qwen3_next_config() -> dict:
+    from tests.models.test_hybrid_parity import tiny_hybrid_configs
+
+    cfg_cls, _, kwargs = tiny_hybrid_configs()["qwen3_next"]
+    return cfg_cls(**kwargs).to_dict()
+
+
+@pytest.mark.parametrize("which", ["tiny-moe", "qwen3_next"])
+def test_fp8_random_build_equals_quantizing_the_bf16_build(which):
+    """The bench builds FP8 presets tensor by tensor (an 80B model never exists in bf16); the weights must be
+    exactly those of quantizing the unquantized random model afterwards."""
+    from server.models.quant import quantize_model
+
+    config = presets.load_preset("tiny-moe").hf_config if which == "tiny-moe" else _tiny_qwen3_next_config()
+    cpu = torch.device("cpu")
+    direct = build_random_model(config, cpu, torch.bfloat16, seed=4, quantization="fp8")
+    post_hoc = quantize_model(build_random_model(config, cpu, torch.bfloat16, seed=4))
+    a, b = direct.state_dict(), post_hoc.state_dict()
+    assert a.keys() == b.keys()
+    assert any(t.dtype == torch.float8_e4m3fn for t in a.values())
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert torch.equal(_bits(a[name]), _bits(b[name])), name
+    with pytest.raises(ValueError, match="unknown quantization"):
+        build_random_model(config, cpu, torch.bfloat16, quantization="int3")
 
 
 def test_random_weights_are_deterministic_and_never_zero():
@@ -151,6 +187,9 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
     assert main(["bench", "--preset", "tiny-moe", "--device", "cpu", "--engine-option", "no_such=1",
                  "--copy-mib", "1"]) == 2
     assert "unknown EngineConfig fields ['no_such']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: usage error, exit 2
+        main(["bench", "--preset", "tiny-moe", "--quantize", "none,int4"])
+    assert "--quantize takes none, fp8 or a comma list of them, got 'none,int4'" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nmodel_type = "llama"\n[bench]\nprompt_length = 3\n')
     with pytest.raises(ValueError, match="unknown \\[bench\\] key 'prompt_length'"):
