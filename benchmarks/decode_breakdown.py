@@ -48,12 +48,14 @@ def main() -> None:
     parser.add_argument("--graphs", default="1")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "reduce"])
+    parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build(args.shape, device, torch.bfloat16)
     config = EngineConfig(model=args.shape, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
-                          cuda_graphs=args.graphs == "1")
+                          cuda_graphs=args.graphs == "1", decode_attention=args.decode_attention)
     engine = Engine.from_model(model, config, device)
     prompts = [list(range(1, 129))] * args.batch
     timed_generate(engine, prompts, 129)  # compile and capture
@@ -66,15 +68,22 @@ def main() -> None:
         wall = time.perf_counter() - start
     per_category: dict[str, float] = defaultdict(float)
     kernels: dict[str, int] = defaultdict(int)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # kernel name -> [count, ms]
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             category = classify(event.name)
             per_category[category] += event.device_time_total / 1e3  # ms
             kernels[category] += 1
+            by_name[event.name][0] += 1
+            by_name[event.name][1] += event.device_time_total / 1e3
     steps = args.steps + 1  # the prefill step is included; it is small next to 32 decode steps at 128 tokens
     kernel_ms = sum(per_category.values())
     rows = {c: round(ms / steps, 3) for c, ms in sorted(per_category.items(), key=lambda kv: -kv[1])}
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]
+    top_rows = [{"kernel": name[:110], "category": classify(name), "per_step": round(n / steps, 2),
+                 "us_each": round(1e3 * ms / n, 2), "ms_per_step": round(ms / steps, 4)} for name, (n, ms) in top]
     print(json.dumps({"shape": args.shape, "graphs": args.graphs, "batch": args.batch,
+                      "decode_attention": args.decode_attention, "top_kernels": top_rows,
                       "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
                       "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),

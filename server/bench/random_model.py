@@ -45,10 +45,10 @@ def empty_model(
     args = module.ModelArgs.from_hf_config(hf_config)
     with torch.device("meta"):
         model = module.Model(args).to(dtype)
-        if quantization == "fp8":
-            quantize_for_loading(model, dtype, plan_kept_layers(model, torch.device(device), dtype))
-        elif quantization is not None:
-            raise ValueError(f"unknown quantization {quantization!r}; use fp8")
+    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
+        quantize_for_loading(model, dtype, plan_kept_layers(model, torch.device(device), dtype))
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; use fp8")
     if str(device) == "meta":
         return model.eval()
     model = model.to_empty(device=device)

@@ -241,11 +241,11 @@ def load_model(
     args = module.ModelArgs.from_hf_config(config)
     with torch.device("meta"):
         model = module.Model(args).to(dtype)
-        if quantization == "fp8":
-            keep = plan_kept_layers(model, device, dtype)
-            if keep:
-                log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
-            quantize_for_loading(model, dtype, keep)
+    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
+        keep = plan_kept_layers(model, device, dtype)
+        if keep:
+            log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
+        quantize_for_loading(model, dtype, keep)
     model = model.to_empty(device=device)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
