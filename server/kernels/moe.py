@@ -29,7 +29,9 @@ from server.kernels.capabilities import grouped_mm_ok
 def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1)
+    # Unsorted: slot order only changes the fp32 summation order, and the sort of the k winners was a kernel
+    # of its own per layer (H200, Qwen3-30B-A3B shape: 4 us x 48 layers, docs/PERF.md breakdown).
+    weights, expert_ids = torch.topk(probs, top_k, dim=-1, sorted=False)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), expert_ids
@@ -45,9 +47,9 @@ def route_sigmoid_bias(
     """LFM2-MoE routing: experts chosen by sigmoid + bias (fp32), weighted by the unbiased sigmoid (model dtype)."""
     scores = router_logits.sigmoid()  # [T, E] in the model dtype, as HF computes it
     if expert_bias is None:
-        weights, expert_ids = torch.topk(scores, top_k, dim=-1)
+        weights, expert_ids = torch.topk(scores, top_k, dim=-1, sorted=False)  # unsorted: see route_softmax
     else:
-        expert_ids = torch.topk(scores + expert_bias.float(), top_k, dim=-1).indices
+        expert_ids = torch.topk(scores + expert_bias.float(), top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
