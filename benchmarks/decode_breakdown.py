@@ -4,7 +4,9 @@
 
 Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler
 and classifies every GPU kernel by name (regexes below; inductor names kernels after the ops it fused, so a
-fused kernel lands in the first category whose pattern it matches). gaps = wall time per step - kernel time.
+fused kernel lands in the first category whose pattern it matches; `top_kernels` lists the biggest by name).
+gaps = wall time per step - kernel time; under the profiler the host side is several times slower, so the wall
+time (and the gaps) are the profiler's, while kernel times are the device's own (docs/PERF.md).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 
 CATEGORIES = [  # (name, pattern on the kernel name), first match wins
+    # The compiled decode step's expert matvecs are inductor reductions named after the gather they fuse
+    # (`..._index_mul_silu_..._sum`, `..._expand_index_mul_sum_...`); the weighted combine is a bmm.
+    ("moe experts", r"red_fused.*index.*(silu|mul_sum)|grouped|gather.*silu|silu.*gather|bmm"),
     ("kv write", r"index_put|index_copy"),
     ("attention", r"attention|sdpa|fmha|flash|_efficient_|softmax.*(bitwise|masked)|masked_fill"),
     ("moe routing", r"topk|sort|searchsorted|sigmoid.*add|softmax"),
-    ("moe experts", r"grouped|gather.*silu|silu.*gather|bmm"),
     ("gemm / gemv", r"nvjet|gemm|gemv|cutlass|splitK|cublas|sm90_xmma|mm_"),
     ("norms / rope / act", r"rsqrt|mean|cos|sin|silu|mul|add"),
     ("sampling", r"argmax|exponential|log|cumsum|scatter"),

@@ -215,7 +215,20 @@ def summarize(sse_tok_s: float, streams: list[dict], engine_texts: list[str], re
         "chunks_per_stream": sum(s["chunks"] for s in streams) / len(streams),
         "all_tokens_delivered": all(s["tokens"] == max_tokens for s in streams),
         "text_matches_engine": [s["text"] for s in streams] == engine_texts,
+        # bf16 greedy can diverge when the batch differs (streams arrive staggered): a late first divergence
+        # is numerics; one at word 0, or a stream carrying another prompt's text, would be a mix-up.
+        "streams_matching_engine": sum(s["text"] == t for s, t in zip(streams, engine_texts, strict=True)),
+        "first_divergent_word": min((_first_difference(s["text"].split(), t.split())
+                                     for s, t in zip(streams, engine_texts, strict=True) if s["text"] != t),
+                                    default=None),
     }
+
+
+def _first_difference(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def print_table(records: list[dict]) -> None:
@@ -225,7 +238,9 @@ def print_table(records: list[dict]) -> None:
         gap = "-" if r["mean_inter_chunk_ms"] is None else f"{r['mean_inter_chunk_ms']:.2f}"
         print(f"{r['streams']:>3} {r['engine_tok_s']:>13.1f} {r['async_tok_s']:>12.1f} {r['sse_tok_s']:>10.1f} "
               f"{r['sse_vs_engine']:>10.1%} {r['mean_ttft_s'] * 1e3:>8.1f} {gap:>7}  "
-              f"{'same as engine' if r['text_matches_engine'] else 'DIFFERS from engine'}")
+              f"{'same as engine' if r['text_matches_engine'] else 'DIFFERS from engine'}"
+              + ("" if r["text_matches_engine"] else f" ({r['streams_matching_engine']}/{r['streams']} streams equal; "
+                 f"first difference at word {r['first_divergent_word']})"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
