@@ -203,6 +203,7 @@ class ModelRunner:
             query_positions=tensor(query_pos),
             token_rows=tensor(rows),
             token_cols=tensor(cols),
+            fresh_prefill=all(c.start == 0 for c in chunks),
         )
         if self.state_cache is not None:  # hybrids: snapshot copies / resets, then the rows' state slots
             self.state_cache.prepare(chunks, meta)

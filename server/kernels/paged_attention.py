@@ -4,8 +4,9 @@ Cache layout per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim
 flat; `meta` (server.models.base.AttentionMetadata, passed duck-typed to keep kernels free of models)
 maps them onto a padded `[num_seqs, max_q_len]` query view.
 
-This path gathers each sequence's blocks before SDPA: correct everywhere, but it copies the sequence's
-KV every step. A fused paged-decode kernel is the planned fast path (see docs/PERF.md).
+Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
+own K/V with causal SDPA; the compiled decode step can use `paged_decode_attention` (the gather fused into
+two reductions); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
 """
 
 from __future__ import annotations
@@ -25,10 +26,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
-    """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V."""
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V (`k`, `v`:
+    this step's own `[num_tokens, kv_heads, head_dim]`, enough when no sequence has earlier tokens)."""
     if meta.is_decode and meta.decode_kernel == "reduce" and torch.compiler.is_compiling():
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
+    if meta.fresh_prefill and k is not None and v is not None:
+        return fresh_prefill_attention(q, k, v, meta, scale)
     num_seqs, max_blocks = meta.block_tables.shape
     block_size = k_cache.shape[1]
     q_pad = q[meta.query_index].transpose(1, 2)  # [num_seqs, heads, max_q_len, head_dim]
@@ -37,6 +44,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     key_pos = torch.arange(max_blocks * block_size, device=q.device)
     mask = key_pos[None, None, :] <= meta.query_positions[:, :, None]  # [num_seqs, max_q_len, max_kv_len]
     out = attention_reference(q_pad, k_seq, v_seq, mask[:, None], scale)  # [num_seqs, heads, max_q_len, head_dim]
+    return out.transpose(1, 2)[meta.token_rows, meta.token_cols]  # [num_tokens, heads, head_dim]
+
+
+def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta, scale: float) -> torch.Tensor:
+    """Every sequence of the step starts at position 0, so its keys are exactly this step's: causal SDPA over
+    the padded chunk, with no gather of cache blocks, no boolean mask and no repeated KV heads (so the fused
+    causal kernels apply). Right padding is safe: a valid query never sees a later (padded) key."""
+    gqa = q.shape[1] != k.shape[1]
+    if meta.query_index.shape[0] == 1:  # one sequence: its tokens are the step's, in order
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+        return out[0].transpose(0, 1)  # [num_tokens, heads, head_dim]
+    q_pad, k_pad, v_pad = (t[meta.query_index].transpose(1, 2) for t in (q, k, v))  # [num_seqs, *, max_q_len, dim]
+    out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, is_causal=True, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)[meta.token_rows, meta.token_cols]  # [num_tokens, heads, head_dim]
 
 

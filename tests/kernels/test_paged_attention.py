@@ -73,3 +73,16 @@ def test_decode_form_matches(seed):
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("lens", [[(0, 9)], [(0, 7), (0, 3), (0, 12)]])
+def test_fresh_prefill_attends_over_the_step_alone(lens):
+    """Sequences starting at position 0: causal SDPA over the step's own K/V. The caches are left full of NaN,
+    so the result is right only if they are not read."""
+    q, k, v, k_cache, v_cache, meta, expected = build_case(5, lens)
+    meta.fresh_prefill = True
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, k, v)
+    assert out.shape == q.shape
+    assert (out - expected).abs().max() < 1e-5
