@@ -132,8 +132,11 @@ class GatedDeltaNet(nn.Module):
         if not meta.is_decode:  # padding must leave the state alone: decay 1, no update
             valid = _valid_mask(meta, max_q_len)[..., None]
             beta, g = beta * valid, g * valid
-        out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_cache[slots])
-        recurrent_cache.index_copy_(0, slots, new_state)
+        if meta.is_decode:
+            out = gated_delta.gated_delta_decode_(q, k, v, g, beta, recurrent_cache, slots)
+        else:
+            out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_cache[slots])
+            recurrent_cache.index_copy_(0, slots, new_state)
         out = self.norm(_flat(out, meta), z.view(num_tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size))
 
