@@ -38,12 +38,17 @@ def paged_attention(
         return fresh_prefill_attention(q, k, v, meta, scale)
     num_seqs, max_blocks = meta.block_tables.shape
     block_size = k_cache.shape[1]
-    q_pad = q[meta.query_index].transpose(1, 2)  # [num_seqs, heads, max_q_len, head_dim]
+    if meta.is_decode:  # one query per sequence, rows in order: views instead of two gathers per layer
+        q_pad = q[:, None].transpose(1, 2)  # [num_seqs, heads, 1, head_dim]
+    else:
+        q_pad = q[meta.query_index].transpose(1, 2)  # [num_seqs, heads, max_q_len, head_dim]
     k_seq = k_cache[meta.block_tables].view(num_seqs, max_blocks * block_size, *k_cache.shape[2:]).transpose(1, 2)
     v_seq = v_cache[meta.block_tables].view(num_seqs, max_blocks * block_size, *v_cache.shape[2:]).transpose(1, 2)
     key_pos = torch.arange(max_blocks * block_size, device=q.device)
     mask = key_pos[None, None, :] <= meta.query_positions[:, :, None]  # [num_seqs, max_q_len, max_kv_len]
     out = attention_reference(q_pad, k_seq, v_seq, mask[:, None], scale)  # [num_seqs, heads, max_q_len, head_dim]
+    if meta.is_decode:
+        return out[:, :, 0]  # [num_seqs, heads, head_dim]
     return out.transpose(1, 2)[meta.token_rows, meta.token_cols]  # [num_tokens, heads, head_dim]
 
 

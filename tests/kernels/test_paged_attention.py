@@ -73,6 +73,9 @@ def test_decode_form_matches(seed):
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
+    meta.is_decode = True  # the compiled step's SDPA form: query rows taken as views
+    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("lens", [[(0, 9)], [(0, 7), (0, 3), (0, 12)]])
