@@ -210,7 +210,9 @@ def test_sse_delivery_script_streams_the_engine_text(tmp_path):
     for r in records:
         assert r["all_tokens_delivered"] and r["text_matches_engine"]
         assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
-        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("engine_tok_s", "async_tok_s", "sse_tok_s"))
+        rates = ("engine_tok_s", "async_tok_s", "sse_tok_s", "engine_steady_tok_s", "sse_steady_tok_s")
+        assert all(math.isfinite(r[k]) for k in rates) and r["engine_tok_s"] > 0 and r["sse_tok_s"] > 0
+        assert r["sse_steady_vs_engine"] == pytest.approx(r["sse_steady_tok_s"] / r["engine_steady_tok_s"])
 
 
 BLOCK_SERVER_DEPS = """
