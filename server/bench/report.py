@@ -71,23 +71,27 @@ def table(records: list[dict[str, Any]]) -> str:
         return "(no results)"
     first = records[0]
     quantizations = list(dict.fromkeys(r["quantize"] for r in records))
+    several = len(quantizations) > 1  # then bytes per step go in a column
     title = (
         f"{first['preset']} ({first['model_type']}) on {first['device']} [{first['gpu_name']}], {first['dtype']}, "
         f"quantize={','.join(quantizations)}, prompt {first['prompt_len']}, decode {first['num_decode_tokens']}, "
         f"torch {first['torch_version']}; copy {first['copy_gb_s']:.0f} GB/s; "
-        + ("" if len(quantizations) > 1 else f"{gigabytes(first['weight_bytes_per_token'])} of weights read per "
+        + ("" if several else f"{gigabytes(first['weight_bytes_per_token'])} of weights read per "
            f"token at batch 1; model + engine built in {first['build_s']:.1f} s")
     )
-    several = len(quantizations) > 1
-    header = (["quantize", "weights/step"] if several else []) + ["B", "decode tok/s", "ms/tok", "prefill tok/s", "GB/s", "roofline", "warm-up s"]
+    header = ["B", "decode tok/s", "ms/tok", "prefill tok/s", "GB/s", "roofline", "warm-up s"]
+    if several:
+        header = ["quantize", "weights/step", *header]
     comparing = any("peer_decode_tok_s" in r for r in records)
     if comparing:
         header += ["peer tok/s", "peer roofline", "speedup"]
     rows = []
     for r in records:
-        row = ([r["quantize"], gigabytes(r["weight_bytes_per_step"])] if several else []) + [str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"), _fmt(r["ms_per_token"], ".2f"),
+        row = [str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"), _fmt(r["ms_per_token"], ".2f"),
                _fmt(r["prefill_tok_s"], ".0f"), _fmt(r["achieved_gb_s"], ".1f"),
                _fmt(r["roofline_fraction"] * 100, ".1f") + "%", _fmt(r["compile_s"], ".1f")]
+        if several:
+            row = [r["quantize"], gigabytes(r["weight_bytes_per_step"]), *row]
         if comparing:
             frac = r.get("peer_roofline_fraction")
             row += [_fmt(r.get("peer_decode_tok_s"), ".1f"), "-" if frac is None else f"{frac * 100:.1f}%",
