@@ -25,11 +25,12 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm normalizes in fp32 and rounds once, as Hugging Face does; it is one fused kernel in eager
+        # mode where the backend has one (the prefill and the MPS paths are eager) and the same fused
+        # reduction under torch.compile. HF applies w after the cast, so w stays outside.
         if self.zero_centered:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return F.rms_norm(x.float(), x.shape[-1:], 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return self.weight * F.rms_norm(x, x.shape[-1:], None, self.eps)
 
 
 class MergedLinear(nn.Linear):
