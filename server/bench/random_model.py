@@ -88,7 +88,7 @@ def build_random_model(
     loader = WeightLoader(model)
     for name, meta in persistent_tensors(empty_model(hf_config, "meta", dtype)).items():
         if meta.is_floating_point():
-            if loader._resolve(name) is None:
+            if loader.resolve(name) is None:
                 raise ValueError(f"{name} has no place in the {quantization} model")
             loader.load(name, init_value(name, meta.shape, meta.dtype, device, seed))
     return model
@@ -110,7 +110,7 @@ class OurWeights:
         name = self.meta_model.sanitize(hf_name)
         if name is None:
             return None
-        target = self.loader._resolve(name)
+        target = self.loader.resolve(name)
         if target is None:
             return self._full(name) if name in self.tensors else None
         param_name, index, _key = target

@@ -105,7 +105,7 @@ class WeightLoader:
         self.filled: set[tuple[str, Any]] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
-        target = self._resolve(name)
+        target = self.resolve(name)
         if target is None:
             log.debug("ignoring checkpoint tensor %s", name)
             return
@@ -124,7 +124,8 @@ class WeightLoader:
             dest.copy_(tensor)
         self.filled.add((param_name, key))
 
-    def _resolve(self, name: str) -> tuple[str, Any, Any] | None:
+    def resolve(self, name: str) -> tuple[str, Any, Any] | None:
+        """(parameter name, row index or None, fill key) that checkpoint tensor `name` goes to; None if none."""
         if name in self.params:
             return name, None, None
         module_name, _, leaf = name.rpartition(".")
