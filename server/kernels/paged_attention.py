@@ -27,14 +27,13 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
-    k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
 ) -> torch.Tensor:
     """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V (`k`, `v`:
     this step's own `[num_tokens, kv_heads, head_dim]`, enough when no sequence has earlier tokens)."""
     if meta.is_decode and meta.decode_kernel == "reduce" and torch.compiler.is_compiling():
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
-    if meta.fresh_prefill and k is not None and v is not None:
+    if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     num_seqs, max_blocks = meta.block_tables.shape
     block_size = k_cache.shape[1]

@@ -184,7 +184,7 @@ class GatedAttention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5, k, v)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -124,7 +124,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, meta, self.head_dim**-0.5, k, v)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
 
 

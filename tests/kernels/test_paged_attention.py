@@ -63,7 +63,7 @@ def build_case(seed: int, lens: list[tuple[int, int]], block_size=4, heads=4, kv
 def test_mixed_prefill_and_decode_batch(seed):
     q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)])
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
 
 
@@ -74,7 +74,7 @@ def test_decode_form_matches(seed):
     out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
     meta.is_decode = True  # the compiled step's SDPA form: query rows taken as views
-    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
 
 
@@ -86,6 +86,6 @@ def test_fresh_prefill_attends_over_the_step_alone(lens):
     meta.fresh_prefill = True
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
-    out = paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, k, v)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape
     assert (out - expected).abs().max() < 1e-5
