@@ -24,7 +24,8 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step
-    decode_attention: str = "sdpa"  # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor)
+    # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention, CUDA)
+    decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
     revision: str | None = None
 

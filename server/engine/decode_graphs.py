@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from server.kernels.flex_decode import decode_block_mask
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class DecodeGraphs:
             decode_kernel=self.decode_kernel,
             **state,
         )
+        if self.decode_kernel == "flex":  # one mask for all layers: the block table's view of the physical cache
+            num_blocks, block_size = self.kv_layers[0][0].shape[:2]
+            meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
 

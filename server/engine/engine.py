@@ -127,6 +127,7 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
+        _check_decode_attention(self.config.decode_attention, self.device)
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(
@@ -356,3 +357,13 @@ class Engine:
         self.scheduler.finish(request, "stop")
         self._outputs.pop(request.request_id, None)
         return torch.cat(self._score_logits.pop(request.request_id)).cpu()
+
+
+DECODE_ATTENTION = ("sdpa", "reduce", "flex")
+
+
+def _check_decode_attention(kind: str, device: torch.device) -> None:
+    if kind not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    if kind == "flex" and device.type != "cuda":
+        raise ValueError(f"decode_attention='flex' needs CUDA (FlexAttention has no {device.type} kernel); use 'sdpa'")

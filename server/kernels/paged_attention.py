@@ -6,13 +6,15 @@ maps them onto a padded `[num_seqs, max_q_len]` query view.
 
 Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled decode step can use `paged_decode_attention` (the gather fused into
-two reductions); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
+two reductions) or `flex_decode_attention` (one FlexAttention kernel, CUDA); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from server.kernels.flex_decode import flex_decode_attention
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -33,6 +35,8 @@ def paged_attention(
     this step's own `[num_tokens, kv_heads, head_dim]`, enough when no sequence has earlier tokens)."""
     if meta.is_decode and meta.decode_kernel == "reduce" and torch.compiler.is_compiling():
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
+    if meta.decode_block_mask is not None:
+        return flex_decode_attention(q, k_cache, v_cache, meta.decode_block_mask, scale)
     if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     num_seqs, max_blocks = meta.block_tables.shape

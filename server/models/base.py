@@ -54,6 +54,7 @@ class AttentionMetadata:
     state_caches: list[tuple[torch.Tensor, ...]] | None = None  # per state layer: tensors [num_slots, ...]
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
     decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA) or "reduce" (fused gather)
+    decode_block_mask: Any = None  # compiled decode with decode_kernel "flex": the step's FlexAttention BlockMask
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
 
 

@@ -29,3 +29,10 @@ def test_compiled_decode_matches_eager(arch, decode_attention, tiny_checkpoint):
     assert shapes and all(b in (1, 2, 4) and n in (4, 8, 16) for b, n in shapes), shapes
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
     assert compiled.generate(prompts[1], seeded).token_ids == eager.generate(prompts[1], seeded).token_ids
+
+
+@pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"), ("flex", "needs CUDA")])
+def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
+    path, _ = tiny_checkpoint("llama")
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_attention=kind)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.kernels.flex_decode import decode_block_mask
 from server.kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
 from server.models.base import AttentionMetadata
 
@@ -89,3 +90,17 @@ def test_fresh_prefill_attends_over_the_step_alone(lens):
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape
     assert (out - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("seed, lens", [(6, [(11, 1), (2, 1), (30, 1)]), (7, [(0, 1), (3, 1)]), (8, [(15, 1)])])
+def test_flex_decode_matches(seed, lens):
+    """FlexAttention over the physical cache with the step's BlockMask (eager here: the fused kernel is
+    CUDA's; benchmarks/flex_decode_check.py checks it there). Unused cache slots hold NaN-free noise that
+    must not be attended, so a wrong mask shows."""
+    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, lens)
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    positions = meta.query_positions[:, 0]
+    meta.is_decode = True
+    meta.decode_block_mask = decode_block_mask(meta.block_tables, positions, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    assert out.shape == q.shape and (out - expected).abs().max() < 1e-5

@@ -1,0 +1,110 @@
+"""Is the compiled FlexAttention decode right on this GPU, and how long does one layer's decode attention take
+with each form? (The CPU tests check the eager form; the fused kernel exists only on CUDA.)
+
+    PYTHONPATH=. python3 benchmarks/flex_decode_check.py [--block-sizes 16,64]
+
+Correctness: compiled flex vs the fp32 reduce form on random caches (several batch sizes and positions, bf16).
+Timing: one CUDA graph holding 32 layers' decode attention (Llama-3.1-8B heads: 32 q, 8 kv, dim 128) for the
+compiled sdpa and flex forms at a 256-token context; microseconds per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from server.kernels.flex_decode import decode_block_mask, flex_decode_attention
+from server.kernels.paged_attention import paged_attention, paged_decode_attention
+from server.models.base import AttentionMetadata
+
+HEADS, KV_HEADS, HEAD_DIM, NUM_LAYERS = 32, 8, 128, 32
+
+
+def random_case(batch: int, block_size: int, num_blocks: int, max_len: int, gen: torch.Generator, device):
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
+    v_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
+    max_blocks = -(-max_len // block_size)
+    blocks = (torch.randperm(num_blocks - 1, generator=gen)[: batch * max_blocks] + 1).view(batch, max_blocks)
+    positions = torch.randint(0, max_len, (batch,), generator=gen)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen).to(device, torch.bfloat16)
+    return q, k_cache, v_cache, blocks.to(device), positions.to(device)
+
+
+def decode_meta(tables: torch.Tensor, positions: torch.Tensor, kind: str) -> AttentionMetadata:
+    rows = torch.arange(tables.shape[0], device=tables.device)
+    return AttentionMetadata(slot_mapping=rows, block_tables=tables, query_index=rows[:, None],
+                             query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
+                             is_decode=True, decode_kernel=kind)
+
+
+def layers_step(kind: str, caches, block_size: int):
+    def step(q, tables, positions):
+        meta = decode_meta(tables, positions, kind)
+        if kind == "flex":
+            num_blocks = caches[0][0].shape[0]
+            meta.decode_block_mask = decode_block_mask(tables, positions, block_size, num_blocks * block_size)
+        out = q
+        for k_cache, v_cache in caches:
+            out = paged_attention(out, out, out, k_cache, v_cache, meta, HEAD_DIM**-0.5)
+        return out
+    return torch.compile(step, fullgraph=True)
+
+
+def check(block_size: int, device) -> list[dict]:
+    gen = torch.Generator().manual_seed(block_size)
+    compiled = torch.compile(lambda q, k, v, t, p: flex_decode_attention(
+        q, k, v, decode_block_mask(t, p, block_size, k.shape[0] * block_size), HEAD_DIM**-0.5), fullgraph=True)
+    rows = []
+    for batch, max_len in [(1, 1), (1, 300), (4, 77), (16, 1000), (3, 4096)]:
+        q, k_cache, v_cache, tables, positions = random_case(batch, block_size, 2048, max_len, gen, device)
+        ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, positions, HEAD_DIM**-0.5)
+        out = compiled(q, k_cache, v_cache, tables, positions).float()
+        rows.append({"block_size": block_size, "batch": batch, "max_len": max_len,
+                     "max_abs_err": round((out - ref).abs().max().item(), 5)})
+    return rows
+
+
+def time_layers(kind: str, block_size: int, batch: int, context: int, device) -> float:
+    gen = torch.Generator().manual_seed(0)
+    q, k_cache, v_cache, tables, _ = random_case(batch, block_size, 4096, context, gen, device)
+    positions = torch.full((batch,), context - 1, device=device)
+    caches = [(k_cache, v_cache)] * NUM_LAYERS
+    step = layers_step(kind, caches, block_size)
+    for _ in range(3):
+        step(q, tables, positions)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(q, tables, positions)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / 50 / NUM_LAYERS
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--block-sizes", default="16,64")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--timed-block-size", default="16", help="time the layers at this cache block size only")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    for block_size in [int(b) for b in args.block_sizes.split(",")]:
+        for row in check(block_size, device):
+            print(json.dumps(row), flush=True)
+        if block_size != int(args.timed_block_size):
+            continue
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for context in (256, 2048):
+                times = {kind: round(time_layers(kind, block_size, batch, context, device), 2) for kind in ("sdpa", "flex")}
+                print(json.dumps({"block_size": block_size, "batch": batch, "context": context, "us_per_layer": times}),
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
