@@ -87,6 +87,31 @@ def time_layers(kind: str, block_size: int, batch: int, context: int, device) ->
     return start.elapsed_time(end) * 1000 / 50 / NUM_LAYERS
 
 
+def engine_parity(device) -> dict:
+    """A tiny random Llama in fp32: the compiled flex decode (CUDA graphs, batch buckets 1, 2, 4 and growing
+    contexts) gives the eager engine's greedy tokens."""
+    from server.bench.presets import load_preset
+    from server.bench.random_model import build_random_model
+    from server.config import EngineConfig
+    from server.engine.engine import Engine
+    from server.engine.types import SamplingParams
+
+    hf_config = dict(load_preset("llama-3.1-8b").hf_config, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
+    model = build_random_model(hf_config, device, torch.float32, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 40, 17, 90)]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    result = {}
+    for kind in ("off", "flex", "sdpa"):
+        config = EngineConfig(model="tiny-llama", max_num_seqs=4, max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                              compile="off" if kind == "off" else "on", decode_attention="sdpa" if kind == "off" else kind,
+                              enable_prefix_caching=False)
+        engine = Engine.from_model(model, config, device)
+        result[kind] = [[o.token_ids for o in engine.generate(prompts[:n], params)] for n in (1, 2, 3, 4)]
+    return {"engine_parity_flex": result["flex"] == result["off"], "engine_parity_sdpa": result["sdpa"] == result["off"]}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-sizes", default="16,64")
@@ -94,6 +119,7 @@ def main():
     parser.add_argument("--timed-block-size", default="16", help="time the layers at this cache block size only")
     args = parser.parse_args()
     device = torch.device("cuda")
+    print(json.dumps(engine_parity(device)), flush=True)
     for block_size in [int(b) for b in args.block_sizes.split(",")]:
         for row in check(block_size, device):
             print(json.dumps(row), flush=True)

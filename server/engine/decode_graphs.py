@@ -45,6 +45,9 @@ class DecodeGraphs:
             self.block_counts.append(self.block_counts[-1] * 2)
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
+        if decode_kernel == "flex":  # one graph per batch bucket (see _mark_shapes), each within dynamo's limit
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, len(self.batch_sizes) + 4)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark
@@ -82,6 +85,7 @@ class DecodeGraphs:
         (hybrids: then state_slots [B_pad])."""
         key = tuple(inputs[3].shape)
         if not self.use_graphs:
+            self._mark_shapes(inputs)
             if key in self._seen:
                 return self.compiled(*inputs)
             start = time.perf_counter()
@@ -97,11 +101,22 @@ class DecodeGraphs:
         graph.replay()
         return static_out
 
+    def _mark_shapes(self, inputs: list[torch.Tensor]) -> None:
+        """FlexAttention's decoding kernel needs a static batch size (else torch falls back to its general
+        kernel): the batch dimension is static and the block-table width dynamic, so each batch bucket
+        compiles once, whatever the context length."""
+        if self.decode_kernel != "flex":
+            return
+        for tensor in inputs:
+            torch._dynamo.mark_static(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(inputs[3], 1)
+
     def _capture(self, key, inputs) -> None:
         start = time.perf_counter()
         static_inputs = [t.clone() for t in inputs]
         if self.state_cache is not None:  # warm-up runs must not advance the real sequences' states
             static_inputs[4].fill_(self.state_cache.scratch_slot)
+        self._mark_shapes(static_inputs)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

@@ -3,8 +3,9 @@ no repeated KV heads, no boolean mask tensor.
 
 The cache is viewed as one long physical sequence `[1, kv_heads, num_blocks * block_size, head_dim]`; a
 BlockMask built from the block table lists each sequence's physical blocks (its KV block size is the cache
-block size), all but the last fully visible, the last masked past the query's position. Compiled on CUDA
-this is inductor's flex-decoding kernel; FlexAttention has no MPS kernel, so it is a probed CUDA path
+block size) and masks keys past the query's position. Compiled on CUDA
+this is inductor's flex-decoding kernel when the batch size is static (DecodeGraphs compiles one graph per
+batch bucket for it); FlexAttention has no MPS kernel, so it is a probed CUDA path
 (server.kernels.capabilities) and the portable decode is SDPA.
 """
 
@@ -17,19 +18,23 @@ try:
 except ImportError:  # pragma: no cover - torch without FlexAttention
     BlockMask = flex_attention = None
 
+# One query per sequence fits any query block; 128 divides by every BLOCK_M, so torch's general flex kernel
+# (used when the batch size is not static) accepts the mask too.
+Q_BLOCK_SIZE = 128
+
 
 def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_slots: int):
     """BlockMask for one query per sequence at `positions [num_seqs]` over the blocks of `block_tables
-    [num_seqs, max_blocks]`: blocks before the query's are full, the query's own block is partial."""
+    [num_seqs, max_blocks]`. Every block is listed as partial: with full blocks, torch's flex-decoding kernel
+    splits the whole physical cache length across its programs instead of the sequence's own blocks."""
     num_seqs, max_blocks = block_tables.shape
     num_cache_blocks = num_slots // block_size  # the mask's KV extent is its index rows' length: pad to the cache
-    last_block = positions // block_size  # [num_seqs]
-    last_physical = block_tables.gather(1, last_block[:, None])  # [num_seqs, 1]
+    num_blocks = positions // block_size + 1  # [num_seqs]
     # FlexAttention's contract: mask_mod alone is the whole mask (the eager path ignores the block lists), so
     # it maps a physical slot back to the sequence's logical position through an inverse block table. Table
     # columns past the query's block are padding: they scatter into a spare last column nobody reads.
     columns = torch.arange(max_blocks, device=positions.device).expand(num_seqs, -1)  # [num_seqs, max_blocks]
-    targets = torch.where(columns <= last_block[:, None], block_tables, num_cache_blocks)
+    targets = torch.where(columns < num_blocks[:, None], block_tables, num_cache_blocks)
     logical_block = torch.full((num_seqs, num_cache_blocks + 1), -1, dtype=torch.int64, device=positions.device)
     logical_block.scatter_(1, targets, columns)
 
@@ -37,14 +42,11 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
         logical = logical_block[batch, kv_idx // block_size]
         return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[batch])
 
-    full_indices = torch.nn.functional.pad(block_tables.to(torch.int32), (0, num_cache_blocks - max_blocks))
-    partial_indices = torch.nn.functional.pad(last_physical.to(torch.int32), (0, num_cache_blocks - 1))
+    indices = torch.nn.functional.pad(block_tables.to(torch.int32), (0, num_cache_blocks - max_blocks))
     return BlockMask.from_kv_blocks(
-        torch.ones(num_seqs, 1, 1, dtype=torch.int32, device=positions.device),
-        partial_indices.view(num_seqs, 1, 1, num_cache_blocks),
-        full_kv_num_blocks=last_block.to(torch.int32).view(num_seqs, 1, 1),
-        full_kv_indices=full_indices.view(num_seqs, 1, 1, num_cache_blocks),
-        BLOCK_SIZE=(block_size, block_size),
+        num_blocks.to(torch.int32).view(num_seqs, 1, 1),
+        indices.view(num_seqs, 1, 1, num_cache_blocks),
+        BLOCK_SIZE=(Q_BLOCK_SIZE, block_size),
         mask_mod=visible,
         seq_lengths=(1, num_slots),
         compute_q_blocks=False,
