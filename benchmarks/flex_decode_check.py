@@ -112,13 +112,73 @@ def engine_parity(device) -> dict:
     return {"engine_parity_flex": result["flex"] == result["off"], "engine_parity_sdpa": result["sdpa"] == result["off"]}
 
 
+def diagnose(device) -> None:
+    """Which part goes wrong when compiled: one variant per line, each against the fp32 reduce form."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import server.kernels.flex_decode as fd
+
+    scale = HEAD_DIM**-0.5
+    for block_size in (16, 64):
+        gen = torch.Generator().manual_seed(5)
+        q, k_cache, v_cache, tables, positions = random_case(2, block_size, 256, 150, gen, device)
+        ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, positions, scale)
+        num_slots = k_cache.shape[0] * block_size
+
+        def paged(q, k, v, t, p, options=None, contiguous=False, simple_mask=False, block_size=block_size,
+                  num_slots=num_slots):
+            mask = fd.decode_block_mask(t, p, block_size, num_slots)
+            if simple_mask:  # right on the listed blocks only: the fused kernel never looks elsewhere
+                last_physical = t.gather(1, (p // block_size)[:, None])[:, 0]
+                mask = fd.BlockMask.from_kv_blocks(
+                    mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=mask.BLOCK_SIZE, seq_lengths=mask.seq_lengths,
+                    mask_mod=lambda b, h, qi, ki: (ki // block_size != last_physical[b]) | (
+                        ki % block_size <= p[b] % block_size), compute_q_blocks=False)
+            keys = k.view(1, num_slots, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            values = v.view(1, num_slots, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            if contiguous:
+                keys, values = keys.contiguous(), values.contiguous()
+            return flex_attention(q.unsqueeze(2), keys, values, block_mask=mask, scale=scale, enable_gqa=True,
+                                  kernel_options=options)[:, :, 0]
+
+        def dense(q, k, v, t, p, block_size=block_size):  # no paging: gathered sequences, a plain length mask
+            seq_len = t.shape[1] * block_size
+            keys = k[t].view(t.shape[0], seq_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            values = v[t].view(t.shape[0], seq_len, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            mask = create_block_mask(lambda b, h, qi, ki: ki <= p[b], t.shape[0], None, 1, seq_len, device=q.device)
+            return flex_attention(q.unsqueeze(2), keys, values, block_mask=mask, scale=scale, enable_gqa=True)[:, :, 0]
+
+        block_n = {"BLOCK_N": min(block_size, 64)}
+        variants = {
+            "paged": lambda *a, o=block_n: paged(*a, options=o),
+            "paged_contiguous_kv": lambda *a, o=block_n: paged(*a, options=o, contiguous=True),
+            "paged_simple_mask": lambda *a, o=block_n: paged(*a, options=o, simple_mask=True),
+            "paged_default_options": lambda *a: paged(*a),
+            "paged_main_kernel": lambda *a, o=block_n: paged(*a, options={**o, "BLOCK_M": 16,
+                                                                           "FORCE_USE_FLEX_ATTENTION": True}),
+            "dense_gathered": dense,
+        }
+        for name, fn in variants.items():
+            try:
+                eager = (fn(q, k_cache, v_cache, tables, positions).float() - ref).abs().max().item()
+                out = torch.compile(fn, fullgraph=True)(q, k_cache, v_cache, tables, positions).float()
+                row = {"eager_err": round(eager, 4), "compiled_err": round((out - ref).abs().max().item(), 4)}
+            except Exception as exc:  # a variant torch rejects is an answer too
+                row = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"}
+            print(json.dumps({"block_size": block_size, "variant": name, **row}), flush=True)
+        torch._dynamo.reset()
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--block-sizes", default="16,64")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--timed-block-size", default="16", help="time the layers at this cache block size only")
+    parser.add_argument("--diagnose", action="store_true", help="only the variants that locate a wrong result")
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.diagnose:
+        return diagnose(device)
     print(json.dumps(engine_parity(device)), flush=True)
     for block_size in [int(b) for b in args.block_sizes.split(",")]:
         for row in check(block_size, device):
