@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,7 @@ from server.engine.types import (
 )
 
 log = logging.getLogger(__name__)
+ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
 class _Handle:
@@ -132,6 +134,10 @@ class AsyncEngine:
 
     def start_thread(self) -> None:
         if self._thread is None:
+            # The engine thread must get the GIL back soon after its device wait, or the next step launches late
+            # while the event loop serializes SSE chunks; CPython's default hand-over request comes after 5 ms,
+            # a whole decode step. 1 ms bounds that wait (process-wide: the server process is ours).
+            sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._loop, name="mps-serve-engine", daemon=True)
             self._thread.start()
 

@@ -35,8 +35,9 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
     # columns past the query's block are padding: they scatter into a spare last column nobody reads.
     columns = torch.arange(max_blocks, device=positions.device).expand(num_seqs, -1)  # [num_seqs, max_blocks]
     targets = torch.where(columns < num_blocks[:, None], block_tables, num_cache_blocks)
-    logical_block = torch.full((num_seqs, num_cache_blocks + 1), -1, dtype=torch.int64, device=positions.device)
-    logical_block.scatter_(1, targets, columns)
+    # Out of place: the compiled kernel read an in-place-scattered capture before the scatter (H200, torch 2.11).
+    unmapped = torch.full((num_seqs, num_cache_blocks + 1), -1, dtype=torch.int64, device=positions.device)
+    logical_block = unmapped.scatter(1, targets, columns)
 
     def visible(batch, head, q_idx, kv_idx):
         logical = logical_block[batch, kv_idx // block_size]
