@@ -30,19 +30,10 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
     num_seqs, max_blocks = block_tables.shape
     num_cache_blocks = num_slots // block_size  # the mask's KV extent is its index rows' length: pad to the cache
     num_blocks = positions // block_size + 1  # [num_seqs]
-    # FlexAttention's contract: mask_mod alone is the whole mask (the eager path ignores the block lists), so
-    # it maps a physical slot back to the sequence's logical position through an inverse block table. Table
-    # columns past the query's block are padding: they scatter into a spare last column nobody reads.
-    columns = torch.arange(max_blocks, device=positions.device).expand(num_seqs, -1)  # [num_seqs, max_blocks]
-    targets = torch.where(columns < num_blocks[:, None], block_tables, num_cache_blocks)
-    # Out of place: the compiled kernel read an in-place-scattered capture before the scatter (H200, torch 2.11).
-    unmapped = torch.full((num_seqs, num_cache_blocks + 1), -1, dtype=torch.int64, device=positions.device)
-    logical_block = unmapped.scatter(1, targets, columns)
-
-    def visible(batch, head, q_idx, kv_idx):
-        logical = logical_block[batch, kv_idx // block_size]
-        return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[batch])
-
+    if torch.compiler.is_compiling():
+        visible = _listed_blocks_mask(block_tables, positions, block_size)
+    else:
+        visible = _whole_cache_mask(block_tables, positions, block_size, num_blocks, num_cache_blocks)
     indices = torch.nn.functional.pad(block_tables.to(torch.int32), (0, num_cache_blocks - max_blocks))
     return BlockMask.from_kv_blocks(
         num_blocks.to(torch.int32).view(num_seqs, 1, 1),
@@ -52,6 +43,36 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
         seq_lengths=(1, num_slots),
         compute_q_blocks=False,
     )
+
+
+def _listed_blocks_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int):
+    """Right on the sequence's listed blocks, which are all the fused kernels visit: only the query's own block
+    is cut, past its position. (The whole-cache form below, compiled on the H200 with torch 2.11, gave wrong
+    outputs; this one matched: benchmarks/flex_decode_check.py --diagnose, docs/PERF.md.)"""
+    last_physical = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]  # [num_seqs]
+    last_offset = positions % block_size
+
+    def visible(batch, head, q_idx, kv_idx):
+        return (kv_idx // block_size != last_physical[batch]) | (kv_idx % block_size <= last_offset[batch])
+
+    return visible
+
+
+def _whole_cache_mask(block_tables, positions, block_size: int, num_blocks, num_cache_blocks: int):
+    """Right on every physical slot, as the eager FlexAttention (which ignores the block lists) needs: an
+    inverse block table maps a slot back to the sequence's logical position. Table columns past the query's
+    block are padding: they scatter into a spare last column nobody reads."""
+    num_seqs, max_blocks = block_tables.shape
+    columns = torch.arange(max_blocks, device=positions.device).expand(num_seqs, -1)  # [num_seqs, max_blocks]
+    targets = torch.where(columns < num_blocks[:, None], block_tables, num_cache_blocks)
+    unmapped = torch.full((num_seqs, num_cache_blocks + 1), -1, dtype=torch.int64, device=positions.device)
+    logical_block = unmapped.scatter(1, targets, columns)
+
+    def visible(batch, head, q_idx, kv_idx):
+        logical = logical_block[batch, kv_idx // block_size]
+        return (logical >= 0) & (logical * block_size + kv_idx % block_size <= positions[batch])
+
+    return visible
 
 
 def flex_decode_attention(
