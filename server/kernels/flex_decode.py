@@ -31,6 +31,8 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
     num_cache_blocks = num_slots // block_size  # the mask's KV extent is its index rows' length: pad to the cache
     num_blocks = positions // block_size + 1  # [num_seqs]
     if torch.compiler.is_compiling():
+        if not isinstance(num_seqs, int):  # torch would use its general kernel, which this mask is wrong for
+            raise RuntimeError("flex decode attention needs a static batch size (DecodeGraphs marks it static)")
         visible = _listed_blocks_mask(block_tables, positions, block_size)
     else:
         visible = _whole_cache_mask(block_tables, positions, block_size, num_blocks, num_cache_blocks)
@@ -46,9 +48,10 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
 
 
 def _listed_blocks_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int):
-    """Right on the sequence's listed blocks, which are all the fused kernels visit: only the query's own block
-    is cut, past its position. (The whole-cache form below, compiled on the H200 with torch 2.11, gave wrong
-    outputs; this one matched: benchmarks/flex_decode_check.py --diagnose, docs/PERF.md.)"""
+    """Right on the sequence's listed blocks, which are all the decoding kernel visits: only the query's own
+    block is cut, past its position. Measured on the H200 (torch 2.11, benchmarks/flex_decode_check.py): right
+    in the decoding kernel (static batch); the whole-cache form below gave wrong outputs compiled, and the
+    general kernel (dynamic batch) was wrong with either, hence the static-batch guard."""
     last_physical = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]  # [num_seqs]
     last_offset = positions % block_size
 
