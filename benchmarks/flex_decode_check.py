@@ -58,6 +58,7 @@ def check(block_size: int, device) -> list[dict]:
         q, k, v, decode_block_mask(t, p, block_size, k.shape[0] * block_size), HEAD_DIM**-0.5), fullgraph=True)
     rows = []
     for batch, max_len in [(1, 1), (1, 300), (4, 77), (16, 1000), (3, 4096)]:
+        torch._dynamo.reset()  # each batch size static, as DecodeGraphs compiles it (the kernel needs that)
         q, k_cache, v_cache, tables, positions = random_case(batch, block_size, 2048, max_len, gen, device)
         ref = paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, positions, HEAD_DIM**-0.5)
         out = compiled(q, k_cache, v_cache, tables, positions).float()
