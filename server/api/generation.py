@@ -5,6 +5,7 @@ stream of (choice, delta) events, with keepalive ticks, metrics, and abort on cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -70,13 +71,13 @@ class Generation:
         self._metrics = metrics
         self._started_at = started_at
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._readers: list[asyncio.Task] = []
         self._closed = False
 
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[tuple[Choice, StreamDelta] | None]:
         """(choice, delta) in arrival order; a choice that ends without a finish reason ends as "abort".
         Raises the engine's exception if one of the requests fails."""
-        self._readers = [asyncio.create_task(self._read(choice)) for choice in self.choices]
+        for choice in self.choices:
+            choice.handle.forward(functools.partial(self._enqueue, choice))
         remaining = len(self.choices)
         while remaining:
             try:
@@ -110,16 +111,8 @@ class Generation:
                 return await self._queue.get()
         return await asyncio.wait_for(self._queue.get(), timeout_s)
 
-    async def _read(self, choice: Choice) -> None:
-        try:
-            async for delta in choice.handle:
-                await self._queue.put((choice, delta))
-                if delta.finish_reason is not None:
-                    break
-        except Exception as exc:  # the consumer re-raises it in the request's task
-            await self._queue.put((choice, exc))
-            return
-        await self._queue.put((choice, None))
+    def _enqueue(self, choice: Choice, item: StreamDelta | BaseException | None) -> None:
+        self._queue.put_nowait((choice, item))  # an exception is re-raised by the consumer in the request's task
 
     def _observe(self, choice: Choice, delta: StreamDelta) -> None:
         now = time.monotonic()
@@ -176,7 +169,7 @@ class Generation:
                     self._queue.put_nowait((choice, None))
 
     async def aclose(self) -> None:
-        """Idempotent: abort what still runs (client gone or error) and stop the readers."""
+        """Idempotent: abort what still runs (client gone or error)."""
         if self._closed:
             return
         self._closed = True
@@ -185,5 +178,3 @@ class Generation:
                 if choice.finish_reason is None:
                     self._record_finish(choice, "abort")
                     await choice.handle.abort()
-            for task in self._readers:
-                task.cancel()

@@ -12,7 +12,7 @@ import logging
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from server.config import EngineConfig
@@ -33,7 +33,8 @@ ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
 class _Handle:
-    """One submitted request: async-iterable over its deltas; abort() stops it inside the engine."""
+    """One submitted request: async-iterable over its deltas, or pushing them to a sink after forward();
+    abort() stops it inside the engine."""
 
     def __init__(self, owner: AsyncEngine, request: Request, loop: asyncio.AbstractEventLoop):
         self.request_id = request.request_id
@@ -41,10 +42,30 @@ class _Handle:
         self._owner = owner
         self._loop = loop
         self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._sink: Callable[[StreamDelta | BaseException | None], None] | None = None
+        self._sink_closed = False
         self.finished = False
 
     def _push(self, item: StreamDelta | BaseException) -> None:  # called from the engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._accept, item)
+
+    def _accept(self, item: StreamDelta | BaseException) -> None:  # on the event loop
+        if self._sink is None:
+            self._queue.put_nowait(item)
+            return
+        if self._sink_closed:
+            return  # a delta that was in flight when the stream ended (an abort)
+        self._sink(item)
+        if isinstance(item, BaseException) or item.finish_reason is not None:
+            self._sink_closed = self.finished = True
+            if not isinstance(item, BaseException):
+                self._sink(None)
+
+    def forward(self, sink: Callable[[StreamDelta | BaseException | None], None]) -> None:
+        """From now on hand each item to `sink` as it arrives (see RequestHandle.forward)."""
+        self._sink = sink
+        while not self._queue.empty():
+            self._accept(self._queue.get_nowait())
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._iterate()
@@ -65,13 +86,16 @@ class _Handle:
             self.finished = True
             self._owner._commands.put(("abort", self.request_id))
             self._owner._wakeup.set()
-            # Wake a reader blocked in _iterate; it sees `finished` and ends.
-            self._queue.put_nowait(StreamDelta(self.request_id, "", [], finish_reason="abort"))
+            final = StreamDelta(self.request_id, "", [], finish_reason="abort")
+            if self._sink is None:  # wake a reader blocked in _iterate; it sees `finished` and ends
+                self._queue.put_nowait(final)
+            elif not self._sink_closed:
+                self._accept(final)
 
 
 def _put_all(items: list[tuple[_Handle, StreamDelta]]) -> None:
     for handle, delta in items:
-        handle._queue.put_nowait(delta)
+        handle._accept(delta)
 
 
 class AsyncEngine:

@@ -50,6 +50,22 @@ class FakeHandle:
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._run()
 
+    def forward(self, sink) -> None:
+        """The protocol's push delivery, driven by a task over the scripted stream."""
+
+        async def pump() -> None:
+            try:
+                async for delta in self._run():
+                    sink(delta)
+                    if delta.finish_reason is not None:
+                        break
+            except Exception as exc:
+                sink(exc)
+                return
+            sink(None)
+
+        self._pump = asyncio.ensure_future(pump())
+
     async def abort(self) -> None:
         if not self._aborted.is_set() and not self._finished:
             self._engine.aborted.append(self.request_id)

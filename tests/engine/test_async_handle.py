@@ -1,0 +1,69 @@
+"""AsyncEngine's request handle in push mode (forward): what the HTTP layer's Generation relies on."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from types import SimpleNamespace
+
+from server.engine.async_engine import _Handle, _put_all
+from server.engine.types import EngineError, StreamDelta
+
+
+def make_handle(loop):
+    owner = SimpleNamespace(_commands=queue.SimpleQueue(), _wakeup=threading.Event())
+    request = SimpleNamespace(request_id="r1", num_prompt_tokens=3)
+    return _Handle(owner, request, loop), owner
+
+
+def delta(text, finish=None):
+    return StreamDelta("r1", text, [7] if text else [], finish_reason=finish)
+
+
+def test_forward_flushes_earlier_items_then_pushes_and_closes_after_the_final_delta():
+    async def run():
+        handle, _ = make_handle(asyncio.get_running_loop())
+        got = []
+        _put_all([(handle, delta("a"))])  # arrived before anyone listened
+        handle.forward(got.append)
+        _put_all([(handle, delta("b"))])
+        handle._push(delta("c", "stop"))  # from the engine thread: lands on the loop
+        await asyncio.sleep(0)
+        _put_all([(handle, delta("late"))])  # nothing after the end
+        return got, handle.finished
+
+    got, finished = asyncio.run(run())
+    assert [d.text if d is not None else None for d in got] == ["a", "b", "c", None]
+    assert finished
+
+
+def test_forward_hands_over_an_engine_error_and_ends_without_none():
+    async def run():
+        handle, _ = make_handle(asyncio.get_running_loop())
+        got = []
+        handle.forward(got.append)
+        handle._push(EngineError("device lost"))
+        await asyncio.sleep(0)
+        handle._push(delta("x"))
+        await asyncio.sleep(0)
+        return got
+
+    got = asyncio.run(run())
+    assert len(got) == 1 and isinstance(got[0], EngineError)
+
+
+def test_abort_in_push_mode_tells_the_engine_and_ends_the_stream_once():
+    async def run():
+        handle, owner = make_handle(asyncio.get_running_loop())
+        got = []
+        handle.forward(got.append)
+        _put_all([(handle, delta("a"))])
+        await handle.abort()
+        await handle.abort()
+        _put_all([(handle, delta("in flight"))])
+        return got, owner
+
+    got, owner = asyncio.run(run())
+    assert [d.finish_reason if d is not None else None for d in got] == [None, "abort", None]
+    assert owner._commands.get_nowait() == ("abort", "r1") and owner._commands.empty()
