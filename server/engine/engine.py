@@ -38,6 +38,7 @@ from server.engine.types import (
     TopLogprob,
 )
 from server.engine.weights import load_model, resolve_model_path
+from server.kernels import flex_decode
 
 log = logging.getLogger(__name__)
 
@@ -367,3 +368,5 @@ def _check_decode_attention(kind: str, device: torch.device) -> None:
         raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
     if kind == "flex" and device.type != "cuda":
         raise ValueError(f"decode_attention='flex' needs CUDA (FlexAttention has no {device.type} kernel); use 'sdpa'")
+    if kind == "flex" and flex_decode.flex_attention is None:
+        raise ValueError(f"decode_attention='flex' needs FlexAttention, which torch {torch.__version__} lacks; use 'sdpa'")

@@ -3,10 +3,10 @@ no repeated KV heads, no boolean mask tensor.
 
 The cache is viewed as one long physical sequence `[1, kv_heads, num_blocks * block_size, head_dim]`; a
 BlockMask built from the block table lists each sequence's physical blocks (its KV block size is the cache
-block size) and masks keys past the query's position. Compiled on CUDA
-this is inductor's flex-decoding kernel when the batch size is static (DecodeGraphs compiles one graph per
-batch bucket for it); FlexAttention has no MPS kernel, so it is a probed CUDA path
-(server.kernels.capabilities) and the portable decode is SDPA.
+block size) and masks keys past the query's position. Compiled on CUDA this is inductor's flex-decoding kernel,
+which needs a static batch size (DecodeGraphs compiles one graph per batch bucket for it). FlexAttention has
+no MPS kernel: this is a CUDA-only option (`decode_attention="flex"`, refused elsewhere); SDPA is the portable
+decode.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ try:
 except ImportError:  # pragma: no cover - torch without FlexAttention
     BlockMask = flex_attention = None
 
-# One query per sequence fits any query block; 128 divides by every BLOCK_M, so torch's general flex kernel
-# (used when the batch size is not static) accepts the mask too.
+# One query per sequence fits any query block; 128 is a multiple of every kernel's BLOCK_M.
 Q_BLOCK_SIZE = 128
 
 

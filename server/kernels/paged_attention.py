@@ -6,7 +6,8 @@ maps them onto a padded `[num_seqs, max_q_len]` query view.
 
 Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled decode step can use `paged_decode_attention` (the gather fused into
-two reductions) or `flex_decode_attention` (one FlexAttention kernel, CUDA); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
+two reductions) or `flex_decode_attention` (one FlexAttention kernel, CUDA); everything else gathers each
+sequence's blocks and runs SDPA with a boolean mask.
 """
 
 from __future__ import annotations
