@@ -32,19 +32,10 @@ def random_case(batch: int, block_size: int, num_blocks: int, max_len: int, gen:
     return q, k_cache, v_cache, blocks.to(device), positions.to(device)
 
 
-def decode_meta(tables: torch.Tensor, positions: torch.Tensor, kind: str) -> AttentionMetadata:
-    rows = torch.arange(tables.shape[0], device=tables.device)
-    return AttentionMetadata(slot_mapping=rows, block_tables=tables, query_index=rows[:, None],
-                             query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
-                             is_decode=True, decode_kernel=kind)
-
-
-def layers_step(kind: str, caches, block_size: int):
+def layers_step(kind: str, caches):
     def step(q, tables, positions):
-        meta = decode_meta(tables, positions, kind)
-        if kind == "flex":
-            num_blocks = caches[0][0].shape[0]
-            meta.decode_block_mask = decode_block_mask(tables, positions, block_size, num_blocks * block_size)
+        slots = torch.zeros_like(positions)  # unused: decode attention does not write
+        meta = AttentionMetadata.for_decode(slots, tables, positions, kind, caches[0][0])
         out = q
         for k_cache, v_cache in caches:
             out = paged_attention(out, out, out, k_cache, v_cache, meta, HEAD_DIM**-0.5)
@@ -72,7 +63,7 @@ def time_layers(kind: str, block_size: int, batch: int, context: int, device) ->
     q, k_cache, v_cache, tables, _ = random_case(batch, block_size, 4096, context, gen, device)
     positions = torch.full((batch,), context - 1, device=device)
     caches = [(k_cache, v_cache)] * NUM_LAYERS
-    step = layers_step(kind, caches, block_size)
+    step = layers_step(kind, caches)
     for _ in range(3):
         step(q, tables, positions)
     graph = torch.cuda.CUDAGraph()

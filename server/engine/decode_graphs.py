@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from server.kernels.flex_decode import decode_block_mask
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -57,25 +56,12 @@ class DecodeGraphs:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
     def _forward(self, input_ids, positions, slot_mapping, block_tables, state_slots=None) -> torch.Tensor:
-        num_seqs = input_ids.shape[0]
-        rows = torch.arange(num_seqs, device=input_ids.device)
         state = {}
         if self.state_cache is not None:
-            state = dict(query_lens=torch.ones_like(rows), state_slots=state_slots, state_caches=self.state_cache.layers)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            query_index=rows[:, None],
-            query_positions=positions[:, None],
-            token_rows=rows,
-            token_cols=torch.zeros_like(rows),
-            is_decode=True,
-            decode_kernel=self.decode_kernel,
-            **state,
-        )
-        if self.decode_kernel == "flex":  # one mask for all layers: the block table's view of the physical cache
-            num_blocks, block_size = self.kv_layers[0][0].shape[:2]
-            meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
+            state = dict(query_lens=torch.ones_like(positions), state_slots=state_slots,
+                         state_caches=self.state_cache.layers)
+        meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, self.decode_kernel,
+                                            self.kv_layers[0][0], **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
 

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.kernels.flex_decode import decode_block_mask
+
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
 
@@ -56,6 +58,21 @@ class AttentionMetadata:
     decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA) or "reduce" (fused gather)
     decode_block_mask: Any = None  # compiled decode with decode_kernel "flex": the step's FlexAttention BlockMask
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
+
+    @classmethod
+    def for_decode(cls, slot_mapping, block_tables, positions, decode_kernel: str, k_cache, **state):
+        """One token per sequence, rows in order. `k_cache`: any attention layer's key cache (all share the block
+        layout); with decode_kernel "flex" the step's BlockMask over it is built here, once for all layers."""
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        meta = cls(
+            slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],
+            query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
+            is_decode=True, decode_kernel=decode_kernel, **state,
+        )
+        if decode_kernel == "flex":
+            num_blocks, block_size = k_cache.shape[:2]
+            meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
+        return meta
 
 
 def rope_inv_freq(head_dim: int, rope: dict[str, Any], device: torch.device | str = "cpu") -> torch.Tensor:
