@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [sse|flex16|qwen36|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|qwen36|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -11,6 +11,18 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 what=${1:-all}
+if [[ $what == decode || $what == all ]]; then  # session 4: packed step input, feed + greedy argmax in the graph
+  timeout 150 python3 benchmarks/flex_decode_check.py --block-sizes 16 --batches 1 --timed-block-size 0 \
+    > "$out/parity.txt" 2>&1; grep engine_parity "$out/parity.txt"
+  for variant in flex flex-noworkspace sdpa; do  # no cuBLAS workspace: does split-K's reduce kernel go?
+    env=(); [[ $variant == flex-noworkspace ]] && env=(CUBLAS_WORKSPACE_CONFIG=:0:0)
+    env "${env[@]}" timeout 120 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
+      --engine-option decode_attention=${variant%%-*} --json "$out/b1-$variant.jsonl" > "$out/b1-$variant.txt" 2>&1
+    grep -A2 "^ *B " "$out/b1-$variant.txt"
+  done
+  timeout 150 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
+    > "$out/breakdown-llama-flex.txt" 2>&1; tail -32 "$out/breakdown-llama-flex.txt"
+fi
 if [[ $what == sse || $what == all ]]; then  # GIL hand-over + RequestHandle.forward, landed unmeasured
   timeout 320 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 2 \
     --json "$out/sse.jsonl" > "$out/sse.txt" 2>&1; grep -v INFO "$out/sse.txt" | tail -4

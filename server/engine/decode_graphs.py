@@ -34,20 +34,31 @@ def bucket(value: int, sizes: list[int]) -> int:
 
 
 class DecodeGraphs:
+    """The step takes ONE packed int64 input `[B_pad, NUM_FIXED (+1) + blocks_pad]`, a row per sequence:
+    input id, position, KV slot, feed row, (hybrids: state slot,) then the block table. So a step is one
+    host-to-device copy plus the replay. A feed row >= 0 takes the input id from `last_token_ids[feed_row]`:
+    the id the previous step sampled, still on the device. The step's own greedy argmax is written back to
+    `last_token_ids` inside the graph, so a plain greedy step needs no kernel outside it."""
+
+    NUM_FIXED = 4  # input id, position, slot, feed row
+
     def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None):
         self.decode_kernel = decode_kernel
-        self.state_cache = state_cache  # hybrids: StateCache; the step then takes the rows' state slots too
+        self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
+        self.num_fixed = self.NUM_FIXED + (state_cache is not None)
         self.model, self.kv_layers, self.device = model, kv_layers, device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
         while self.block_counts[-1] < max_blocks_per_seq:
             self.block_counts.append(self.block_counts[-1] * 2)
+        # The ids sampled by the last step, row = its sample row; any sampled step writes them here.
+        self.last_token_ids = torch.zeros(self.batch_sizes[-1], dtype=torch.int64, device=device)  # [max_num_seqs]
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
         if decode_kernel == "flex":  # one graph per batch bucket (see _mark_shapes), each within dynamo's limit
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, len(self.batch_sizes) + 4)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark
         self._seen: set[tuple[int, int]] = set()
@@ -55,64 +66,78 @@ class DecodeGraphs:
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
-    def _forward(self, input_ids, positions, slot_mapping, block_tables, state_slots=None) -> torch.Tensor:
+    def _forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        input_ids, positions, slot_mapping, feed_rows = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]
+        fed_ids = last_token_ids[feed_rows.clamp(min=0)]
+        input_ids = torch.where(feed_rows >= 0, fed_ids, input_ids)
+        block_tables = packed[:, self.num_fixed:]
         state = {}
         if self.state_cache is not None:
-            state = dict(query_lens=torch.ones_like(positions), state_slots=state_slots,
+            state = dict(query_lens=torch.ones_like(positions), state_slots=packed[:, self.NUM_FIXED],
                          state_caches=self.state_cache.layers)
         meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, self.decode_kernel,
                                             self.kv_layers[0][0], **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
-        return self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
+        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
+        last_token_ids[: logits.shape[0]].copy_(torch.argmax(logits, dim=-1))
+        return logits
 
     @torch.inference_mode()
-    def run(self, inputs: list[torch.Tensor]) -> torch.Tensor:
-        """inputs: input_ids, positions, slot_mapping [B_pad], block_tables [B_pad, blocks_pad] on the device
-        (hybrids: then state_slots [B_pad])."""
-        key = tuple(inputs[3].shape)
+    def run(self, packed_host: torch.Tensor, before_write=None) -> torch.Tensor:
+        """packed_host: the step's packed rows on the host (pinned on CUDA). `before_write()` is called once the
+        input copy is queued and before the step is: it must order the step after any reader of
+        `last_token_ids`, which the step overwrites. Returns the logits [B_pad, vocab] (a static buffer)."""
+        key = (packed_host.shape[0], packed_host.shape[1] - self.num_fixed)
         if not self.use_graphs:
-            self._mark_shapes(inputs)
+            packed = packed_host.to(self.device, non_blocking=True)
+            self._mark_shapes(packed)
+            if before_write is not None:
+                before_write()
             if key in self._seen:
-                return self.compiled(*inputs)
+                return self.compiled(packed, self.last_token_ids)
             start = time.perf_counter()
-            out = self.compiled(*inputs)  # first call of this shape: compiles
+            out = self.compiled(packed, self.last_token_ids)  # first call of this shape: compiles
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
             return out
         if key not in self.graphs:
-            self._capture(key, inputs)
-        graph, static_inputs, static_out = self.graphs[key]
-        for static, value in zip(static_inputs, inputs, strict=True):
-            static.copy_(value, non_blocking=True)
+            self._capture(key, packed_host)
+        graph, static_packed, static_out = self.graphs[key]
+        static_packed.copy_(packed_host, non_blocking=True)
+        if before_write is not None:
+            before_write()
         graph.replay()
         return static_out
 
-    def _mark_shapes(self, inputs: list[torch.Tensor]) -> None:
+    def _mark_shapes(self, packed: torch.Tensor) -> None:
         """FlexAttention's decoding kernel needs a static batch size (else torch falls back to its general
         kernel): the batch dimension is static and the block-table width dynamic, so each batch bucket
         compiles once, whatever the context length."""
         if self.decode_kernel != "flex":
             return
-        for tensor in inputs:
-            torch._dynamo.mark_static(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(inputs[3], 1)
+        torch._dynamo.mark_static(packed, 0)
+        torch._dynamo.maybe_mark_dynamic(packed, 1)
 
-    def _capture(self, key, inputs) -> None:
+    def _capture(self, key, packed_host: torch.Tensor) -> None:
         start = time.perf_counter()
-        static_inputs = [t.clone() for t in inputs]
+        static_packed = packed_host.to(self.device)
         if self.state_cache is not None:  # warm-up runs must not advance the real sequences' states
-            static_inputs[4].fill_(self.state_cache.scratch_slot)
-        self._mark_shapes(static_inputs)
+            static_packed[:, self.NUM_FIXED] = self.state_cache.scratch_slot
+        self._mark_shapes(static_packed)
+        # The warm-up runs execute and overwrite last_token_ids, which this very step may still have to read
+        # (its feed rows): restore them after each run. The capture itself executes nothing.
+        saved_ids = self.last_token_ids.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and warm up outside the capture
-                self.compiled(*static_inputs)
+                self.compiled(static_packed, self.last_token_ids)
+                self.last_token_ids.copy_(saved_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            static_out = self.compiled(*static_inputs)
+            static_out = self.compiled(static_packed, self.last_token_ids)
         self.graph_pool = graph.pool()
-        self.graphs[key] = (graph, static_inputs, static_out)
+        self.graphs[key] = (graph, static_packed, static_out)
         self.compile_seconds += time.perf_counter() - start
         log.info("captured decode graph for batch %d x %d blocks in %.1f s", key[0], key[1], time.perf_counter() - start)

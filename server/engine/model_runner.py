@@ -96,8 +96,11 @@ class ModelRunner:
         chunks = out.chunks
         sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
         step = InFlightStep(out, sample_chunks, {}, None, {}, {})
+        rows = [_sampling_row(c.request) for c in sample_chunks]
         if self.decode_graphs is not None and self._is_plain_decode(chunks):
             logits = self._decode(chunks, prev)
+            if sampling.is_plain_greedy(rows):  # the step's in-graph argmax is the sample
+                step.token_ids = self.decode_graphs.last_token_ids[: len(chunks)]
         else:
             input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
             self._feed_pending(input_ids, pending, prev)
@@ -105,10 +108,11 @@ class ModelRunner:
             step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
             logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:
-            batch = sampling.build_sampling_batch(
-                [_sampling_row(c.request) for c in sample_chunks], self.vocab_size, self.device
-            )
-            sampled = sampling.sample(logits, batch) if batch.all_greedy else self._sample(logits, batch)
+            if step.token_ids is None:
+                sampled = self._sample_rows(logits, rows)
+                self._keep_on_device(sampled.token_ids, prev)
+            else:
+                sampled = sampling.SamplerOutput(step.token_ids)
             step.token_ids = sampled.token_ids
             step.sample_rows = {c.request.request_id: i for i, c in enumerate(sample_chunks)}
             for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
@@ -116,6 +120,23 @@ class ModelRunner:
                 if value is not None:
                     step.copies[name] = self.streams.copy_to_host(value)
         return step
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list[sampling.SamplingRow]) -> sampling.SamplerOutput:
+        batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
+        return sampling.sample(logits, batch) if batch.all_greedy else self._sample(logits, batch)
+
+    def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
+        """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""
+        if self.decode_graphs is None:
+            return
+        self._after_readers(prev)
+        self.decode_graphs.last_token_ids[: token_ids.shape[0]].copy_(token_ids)
+
+    def _after_readers(self, prev: InFlightStep | None) -> None:
+        """Order what comes next after the host copy of `prev`'s ids, which may read `last_token_ids` (a wait on
+        the device; the host goes on)."""
+        if prev is not None and "token_ids" in prev.copies:
+            self.streams.wait(prev.copies["token_ids"])
 
     def _feed_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]], prev: InFlightStep | None) -> None:
         """Copy tokens sampled by the in-flight step into this step's inputs, on the device."""
@@ -132,27 +153,27 @@ class ModelRunner:
         )
 
     def _decode(self, chunks: list[ScheduledChunk], prev: InFlightStep | None) -> torch.Tensor:
-        """One token per sequence through the compiled (and, on CUDA, graph-captured) step."""
-        block_size = self.kv_cache.block_size
+        """One token per sequence through the compiled (and, on CUDA, graph-captured) step: the rows packed on
+        the host, one copy to the device (see DecodeGraphs)."""
+        graphs, block_size = self.decode_graphs, self.kv_cache.block_size
         num_blocks = max(c.start // block_size + 1 for c in chunks)
-        padded_seqs, padded_blocks = self.decode_graphs.padded_shape(len(chunks), num_blocks)
-        input_ids, positions, slots = [0] * padded_seqs, [0] * padded_seqs, [0] * padded_seqs
-        tables = [[0] * padded_blocks for _ in range(padded_seqs)]
-        pending = []
+        padded_seqs, padded_blocks = graphs.padded_shape(len(chunks), num_blocks)
+        state_slots = self.state_cache.decode_slot_ids(chunks) if self.state_cache is not None else None
+        packed = []
         for row, chunk in enumerate(chunks):
             request, pos = chunk.request, chunk.start
             token_id = request.token_ids[pos]
-            if token_id == PLACEHOLDER:
-                pending.append((row, request.request_id))
-            input_ids[row] = max(token_id, 0)
-            positions[row] = pos
-            slots[row] = request.block_ids[pos // block_size] * block_size + pos % block_size
-            tables[row][: pos // block_size + 1] = request.block_ids[: pos // block_size + 1]
-        inputs = [torch.tensor(v, dtype=torch.int64).to(self.device, non_blocking=True) for v in (input_ids, positions, slots, tables)]
-        if self.state_cache is not None:  # hybrids: state copies, then each row's state slot
-            inputs.append(self.state_cache.decode_slots(chunks, padded_seqs))
-        self._feed_pending(inputs[0], pending, prev)
-        return self.decode_graphs.run(inputs)[: len(chunks)]
+            feed_row = prev.sample_rows[request.request_id] if token_id == PLACEHOLDER else -1
+            slot = request.block_ids[pos // block_size] * block_size + pos % block_size
+            fixed = [max(token_id, 0), pos, slot, feed_row] + ([state_slots[row]] if state_slots is not None else [])
+            table = request.block_ids[: pos // block_size + 1]
+            packed.append(fixed + table + [0] * (padded_blocks - len(table)))
+        padding = [0, 0, 0, -1] + ([self.state_cache.scratch_slot] if state_slots is not None else []) + [0] * padded_blocks
+        packed.extend([padding] * (padded_seqs - len(chunks)))
+        host = torch.tensor(packed, dtype=torch.int64)  # [B_pad, num_fixed + blocks_pad]
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return graphs.run(host, before_write=lambda: self._after_readers(prev))[: len(chunks)]
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         block_size = self.kv_cache.block_size

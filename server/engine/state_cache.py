@@ -180,11 +180,11 @@ class StateCache:
         meta.query_lens = self._tensor([c.num_tokens for c in chunks])
         meta.state_caches = self.layers
 
-    def decode_slots(self, chunks, num_rows: int) -> torch.Tensor:
-        """The compiled decode step's slot input: the copies applied, rows past the batch on the scratch slot."""
+    def decode_slot_ids(self, chunks) -> list[int]:
+        """The compiled decode step's state slots, one per row, once the snapshot copies are queued (padded
+        rows take `scratch_slot`)."""
         self.apply_copies(chunks)
-        slots = [c.request.state_slot for c in chunks]
-        return self._tensor(slots + [self.scratch_slot] * (num_rows - len(slots)))
+        return [c.request.state_slot for c in chunks]
 
     def apply_copies(self, chunks) -> None:
         """Restore snapshots, zero the slots of sequences starting at 0, save snapshots (in that order)."""

@@ -89,6 +89,16 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, n] f32
 
 
+def is_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
+    """Argmax of the raw logits is the whole job: greedy, no bias, no penalties, no logprobs. Then the compiled
+    decode step's own argmax is the sample, and no sampling batch is built (its copies are skipped too)."""
+    return all(
+        r.temperature <= 0.0 and not r.logit_bias and r.repetition_penalty == 1.0 and r.presence_penalty == 0
+        and r.frequency_penalty == 0 and r.num_logprobs is None
+        for r in rows
+    )
+
+
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":

@@ -55,3 +55,9 @@ class DeviceStreams:
             event.record()
         tensor.record_stream(self._stream)  # the allocator must not reuse `tensor` before the copy reads it
         return PendingCopy(host, event)
+
+    def wait(self, copy: PendingCopy) -> None:
+        """Make the current stream's later work wait for `copy` to have read its source (on the device: the
+        host does not block). Needed before overwriting a buffer a pending copy reads."""
+        if self.enabled and copy._event is not None:
+            self._module.current_stream().wait_event(copy._event)

@@ -29,6 +29,16 @@ def test_compiled_decode_matches_eager(arch, decode_attention, tiny_checkpoint):
     assert shapes and all(b in (1, 2, 4) and n in (4, 8, 16) for b, n in shapes), shapes
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
     assert compiled.generate(prompts[1], seeded).token_ids == eager.generate(prompts[1], seeded).token_ids
+    # Greedy with a penalty, bias or logprobs is not the step's in-graph argmax: the sampler runs on its logits,
+    # and the ids it picks are what the next step is fed.
+    penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=3.0, logprobs=2, ignore_eos=True)
+    mixed = [penalized, params, SamplingParams(max_tokens=8, temperature=0.0, logit_bias={7: 5.0}, ignore_eos=True)]
+    want, got = ([e.make_request(p, m) for p, m in zip(prompts, mixed, strict=True)] for e in (eager, compiled))
+    want, got = eager._run_to_completion(want), compiled._run_to_completion(got)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].token_ids != expected[0][:8]  # the penalty did change the greedy picks
+    for a, b in zip(got[0].logprobs, want[0].logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [t.token_id for t in a.top] == [t.token_id for t in b.top]
 
 
 @pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"), ("flex", "needs CUDA")])
