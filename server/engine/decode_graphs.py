@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from server.kernels import sampling
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class DecodeGraphs:
                                             self.kv_layers[0][0], **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
-        last_token_ids[: logits.shape[0]].copy_(torch.argmax(logits, dim=-1))
+        last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))
         return logits
 
     @torch.inference_mode()

@@ -237,6 +237,19 @@ def apply_filters(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scaled
 
 
+def chunked_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
+    """torch.argmax over the last dim (first index of the maximum) in two stages, for compiled code: inductor
+    does not split an argmax, so over a 128k vocabulary one row is one thread block (28 us on the H200, a
+    whole decode step's 0.6%). Here the row is cut into `num_chunks` rows first, reduced in parallel."""
+    num_rows, vocab_size = logits.shape
+    chunk_len = -(-vocab_size // num_chunks)
+    padded = torch.nn.functional.pad(logits, (0, chunk_len * num_chunks - vocab_size), value=float("-inf"))
+    chunks = padded.view(num_rows, num_chunks, chunk_len)
+    in_chunk = chunks.argmax(dim=-1, keepdim=True)  # [B, C, 1]
+    best_chunk = chunks.gather(-1, in_chunk).squeeze(-1).argmax(dim=-1, keepdim=True)  # [B, 1]: first max wins
+    return (best_chunk * chunk_len + in_chunk.squeeze(-1).gather(-1, best_chunk)).squeeze(-1)  # [B]
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits [B, V] f32 -> SamplerOutput; no host sync."""
     logits = apply_bias_and_penalties(logits.float(), batch)

@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from server.kernels.sampling import SamplingRow, build_sampling_batch, exponential_noise, sample, sample_reference
+from server.kernels.sampling import (
+    SamplingRow,
+    build_sampling_batch,
+    chunked_argmax,
+    exponential_noise,
+    is_plain_greedy,
+    sample,
+    sample_reference,
+)
 from tests.kernels.sync_guard import assert_no_host_sync
 
 VOCAB = 300
@@ -134,3 +142,21 @@ def test_sample_makes_no_host_sync():
     logits = torch.randn(6, VOCAB)
     with assert_no_host_sync():
         sample(logits, batch)
+
+
+@pytest.mark.parametrize("num_rows, vocab_size, num_chunks", [(1, 1000, 64), (3, 151936, 64), (5, 97, 8), (2, 7, 16)])
+def test_chunked_argmax_is_argmax_with_first_index_on_ties(num_rows, vocab_size, num_chunks):
+    logits = torch.randn(num_rows, vocab_size)
+    assert torch.equal(chunked_argmax(logits, num_chunks), torch.argmax(logits, dim=-1))
+    ties = torch.randint(0, 3, (num_rows, vocab_size)).float()  # many equal maxima in every row
+    assert torch.equal(chunked_argmax(ties, num_chunks), torch.argmax(ties, dim=-1))
+    ties[:, -1] = 9.0  # the maximum in the padded last chunk
+    assert torch.equal(chunked_argmax(ties, num_chunks), torch.full((num_rows,), vocab_size - 1))
+
+
+def test_plain_greedy_only_without_penalties_bias_or_logprobs():
+    assert is_plain_greedy([SamplingRow(temperature=0.0), SamplingRow(temperature=0.0, top_p=0.5)])
+    for row in (SamplingRow(temperature=0.7), SamplingRow(temperature=0.0, repetition_penalty=1.1),
+                SamplingRow(temperature=0.0, presence_penalty=0.5), SamplingRow(temperature=0.0, frequency_penalty=-1.0),
+                SamplingRow(temperature=0.0, logit_bias={3: 1.0}), SamplingRow(temperature=0.0, num_logprobs=0)):
+        assert not is_plain_greedy([SamplingRow(temperature=0.0), row])
