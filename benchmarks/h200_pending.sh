@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|qwen36|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -29,9 +29,13 @@ if [[ $what == sse || $what == all ]]; then  # GIL hand-over + RequestHandle.for
 fi
 if [[ $what == flex16 || $what == all ]]; then  # flex at batch 16 with the final mask, sdpa beside it
   for kind in flex sdpa; do
-    timeout 200 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --engine-option decode_attention=$kind \
+    timeout 170 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --engine-option decode_attention=$kind \
       --json "$out/llama-$kind.jsonl" > "$out/llama-$kind.txt" 2>&1; grep -A3 "^ *B " "$out/llama-$kind.txt"
   done
+fi
+if [[ $what == sse512 || $what == all ]]; then  # longer streams: the arrival ramp amortized as in a chat
+  timeout 240 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --max-tokens 512 --reps 2 \
+    --json "$out/sse512.jsonl" > "$out/sse512.txt" 2>&1; grep -v INFO "$out/sse512.txt" | tail -3
 fi
 if [[ $what == qwen36 || $what == all ]]; then
   timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3.6-35b-a3b --top 25 > "$out/breakdown-qwen36.txt" 2>&1

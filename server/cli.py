@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="serve at once; the first requests then wait for the decode step to compile")
     serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (CORS is off by default)")
 
     gen = sub.add_parser("generate", help="generate text once and print it")
@@ -123,11 +125,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "served_model_name": args.served_model_name,
         "allowed_origins": origins,
         "log_level": args.log_level,
+        "warmup": False if args.no_warmup else None,
     }
     config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
-    return run_server(
-        config, lambda: AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
-    )
+
+    def build_engine() -> AsyncEngine:
+        engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
+        if config.server.warmup:
+            engine.engine.warm_up()
+        return engine
+
+    return run_server(config, build_engine)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -111,12 +111,14 @@ class DecodeGraphs:
         return static_out
 
     def _mark_shapes(self, packed: torch.Tensor) -> None:
-        """FlexAttention's decoding kernel needs a static batch size (else torch falls back to its general
-        kernel): the batch dimension is static and the block-table width dynamic, so each batch bucket
-        compiles once, whatever the context length."""
-        if self.decode_kernel != "flex":
-            return
-        torch._dynamo.mark_static(packed, 0)
+        """Compile for every block-table width at once, and every batch size past 1 at once (torch specializes
+        size 1 anyway): two compiles in all instead of one per changed dimension. Except FlexAttention's decoding
+        kernel, which needs a static batch size (else torch falls back to its general kernel): with flex each
+        batch bucket compiles once, whatever the context length."""
+        if self.decode_kernel == "flex":
+            torch._dynamo.mark_static(packed, 0)
+        else:
+            torch._dynamo.maybe_mark_dynamic(packed, 0)
         torch._dynamo.maybe_mark_dynamic(packed, 1)
 
     def _capture(self, key, packed_host: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -322,6 +323,24 @@ class Engine:
     def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, tools=None, **template_kwargs) -> RequestOutput:
         text = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **template_kwargs)
         return self.generate(ChatPrompt(text), params)
+
+    def warm_up(self) -> float:
+        """Compile (and capture) the decode step before serving, so that no request waits for it; returns the
+        seconds taken. sdpa/reduce: batch 1, then batch 2, whose graph serves every larger batch (later shapes
+        only capture CUDA graphs); flex: every batch bucket (its kernel needs a static batch). The KV width is
+        dynamic from the first compile (DecodeGraphs._mark_shapes). A no-op without the compiled step (the CPU
+        default)."""
+        graphs = self.runner.decode_graphs
+        if graphs is None:
+            return 0.0
+        start = time.perf_counter()
+        sizes = graphs.batch_sizes if self.config.decode_attention == "flex" else sorted({1, min(2, self.config.max_num_seqs)})
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
+        for num_seqs in sizes:  # 1-token prompts: the whole batch is prefilled in one step, then decodes together
+            self._run_to_completion([self.make_request([1 + i], replace(params)) for i in range(num_seqs)])
+        seconds = time.perf_counter() - start
+        log.info("decode step compiled for batch sizes %s in %.1f s", sizes, seconds)
+        return seconds
 
     def _run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:
         if self.has_unfinished:

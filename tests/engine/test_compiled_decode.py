@@ -46,3 +46,21 @@ def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
     with pytest.raises(ValueError, match=message):
         Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_attention=kind)
+
+
+def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):
+    """After warm_up(), other batch sizes and KV lengths reuse the compiled step: dynamo traces no new graph."""
+    from torch._dynamo.utils import counters
+
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    assert compiled.warm_up() > 0 and eager.warm_up() == 0.0
+    assert {(1, 4), (2, 4)} <= compiled.runner.decode_graphs._seen
+    assert not compiled.has_unfinished
+    graphs_before = counters["stats"]["unique_graphs"]
+    prompts = [random_ids(n, n + 40) for n in (40, 150, 7)]  # batch 3 (bucket 4), KV buckets 16 to 64 blocks
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    assert (4, 64) in compiled.runner.decode_graphs._seen  # a new batch and KV bucket, same compiled graph
