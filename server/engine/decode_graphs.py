@@ -102,6 +102,8 @@ class DecodeGraphs:
             self.compile_seconds += time.perf_counter() - start
             return out
         if key not in self.graphs:
+            if before_write is not None:  # the warm-up runs of the capture write last_token_ids too
+                before_write()
             self._capture(key, packed_host)
         graph, static_packed, static_out = self.graphs[key]
         static_packed.copy_(packed_host, non_blocking=True)

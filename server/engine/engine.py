@@ -129,7 +129,7 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
-        _check_decode_attention(self.config.decode_attention, self.device)
+        _check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(
@@ -382,10 +382,12 @@ class Engine:
 DECODE_ATTENTION = ("sdpa", "reduce", "flex")
 
 
-def _check_decode_attention(kind: str, device: torch.device) -> None:
+def _check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
     if kind not in DECODE_ATTENTION:
         raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
-    if kind == "flex" and device.type != "cuda":
-        raise ValueError(f"decode_attention='flex' needs CUDA (FlexAttention has no {device.type} kernel); use 'sdpa'")
-    if kind == "flex" and flex_decode.flex_attention is None:
-        raise ValueError(f"decode_attention='flex' needs FlexAttention, which torch {torch.__version__} lacks; use 'sdpa'")
+    if kind == "flex":
+        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
+        if not ok:
+            raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
+                             f"{reason}; use 'sdpa'")
+        log.info("flex decode attention on %s: %s", device, reason)

@@ -4,12 +4,16 @@ no repeated KV heads, no boolean mask tensor.
 The cache is viewed as one long physical sequence `[1, kv_heads, num_blocks * block_size, head_dim]`; a
 BlockMask built from the block table lists each sequence's physical blocks (its KV block size is the cache
 block size) and masks keys past the query's position. Compiled on CUDA this is inductor's flex-decoding kernel,
-which needs a static batch size (DecodeGraphs compiles one graph per batch bucket for it). FlexAttention has
-no MPS kernel: this is a CUDA-only option (`decode_attention="flex"`, refused elsewhere); SDPA is the portable
-decode.
+which needs a static batch size (DecodeGraphs compiles one graph per batch bucket for it). Whether the compiled
+form is right on a device is not assumed from the torch version: `probe_compiled` compiles it there on a small
+paged cache and compares it with the reference before an engine may use it (`decode_attention="flex"`; measured
+right on CUDA; other backends' FlexAttention lowerings, e.g. inductor's Metal one, get the same check). SDPA is
+the portable decode.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -98,3 +102,36 @@ def flex_decode_attention(
 def _kernel_options(block_size: int, device: torch.device) -> dict | None:
     """The Triton kernel's KV tile must divide the cache block (its sparse block); the CPU template picks its own."""
     return {"BLOCK_N": min(block_size, 64)} if device.type == "cuda" else None
+
+
+@functools.cache
+def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bool, str]:
+    """Compile flex decode on `device` (static batch 2, grouped heads, sequences over shuffled blocks ending in
+    partial blocks) and compare it with `paged_decode_attention` in fp32 -> (ok, reason). Once per process."""
+    from server.kernels.paged_attention import paged_decode_attention
+
+    if flex_attention is None:
+        return False, f"torch {torch.__version__} has no FlexAttention"
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, kv_heads, head_dim = 24, 2, 64
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) for _ in range(2))
+    q = torch.randn(2, 2 * kv_heads, head_dim, generator=gen)
+    tables = (torch.randperm(num_blocks - 1, generator=gen)[:8] + 1).view(2, 4)
+    positions = torch.tensor([block_size + 2, 3 * block_size + block_size // 2])
+    scale = head_dim**-0.5
+    expected = paged_decode_attention(q, k_cache, v_cache, tables, positions, scale)
+
+    def step(q, k_cache, v_cache, tables, positions):
+        mask = decode_block_mask(tables, positions, block_size, k_cache.shape[0] * block_size)
+        return flex_decode_attention(q, k_cache, v_cache, mask, scale)
+
+    try:
+        args = [t.to(device, dtype) for t in (q, k_cache, v_cache)] + [t.to(device) for t in (tables, positions)]
+        got = torch.compile(step, fullgraph=True, dynamic=False)(*args).float().cpu()
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here, and why
+        return False, f"compiling it failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    error = (got - expected).abs().max().item()
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+    if not error <= tolerance:
+        return False, f"compiled, it is wrong here (max error {error:.3g} > {tolerance:g} against the reference)"
+    return True, f"compiled and right (max error {error:.2g})"

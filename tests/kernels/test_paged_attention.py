@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from server.kernels import flex_decode
 from server.kernels.flex_decode import decode_block_mask
 from server.kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
 from server.models.base import AttentionMetadata
@@ -104,3 +105,22 @@ def test_flex_decode_matches(seed, lens):
     meta.decode_block_mask = decode_block_mask(meta.block_tables, positions, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
+
+
+def test_flex_probe_accepts_a_right_kernel_and_names_a_wrong_or_failing_one(monkeypatch):
+    """The probe that gates decode_attention="flex" on a device, run with torch.compile replaced by eager (the
+    eager FlexAttention is right) and then with a kernel that is off by a little, or raises."""
+    probe = flex_decode.probe_compiled.__wrapped__  # uncached
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    ok, reason = probe("cpu", torch.float32, 4)
+    assert ok, reason
+    right = flex_decode.flex_decode_attention
+    monkeypatch.setattr(flex_decode, "flex_decode_attention", lambda *a: right(*a) * 1.01)
+    ok, reason = probe("cpu", torch.float32, 4)
+    assert not ok and "wrong here" in reason
+
+    def broken(*args):
+        raise RuntimeError("no kernel for this mask")
+
+    monkeypatch.setattr(flex_decode, "flex_decode_attention", broken)
+    assert probe("cpu", torch.bfloat16, 16) == (False, "compiling it failed: RuntimeError: no kernel for this mask")
