@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -40,4 +40,15 @@ fi
 if [[ $what == qwen36 || $what == all ]]; then
   timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3.6-35b-a3b --top 25 > "$out/breakdown-qwen36.txt" 2>&1
   tail -30 "$out/breakdown-qwen36.txt"
+fi
+if [[ $what == gdn || $what == all ]]; then  # session 5: which GDN decode form moves the state fastest
+  timeout 200 python3 benchmarks/gdn_decode.py --batch 1 > "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl"
+  timeout 200 python3 benchmarks/gdn_decode.py --batch 16 --layers 8 >> "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl" | tail -4
+fi
+if [[ $what == warmup || $what == all ]]; then  # serve's warm-up with a cold, then a warm compile cache
+  rm -rf /tmp/inductor-warmup
+  for run in cold warm; do
+    timeout 270 python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor-warmup 2>&1 \
+      | grep '^{' | tee -a "$out/warmup.jsonl"
+  done
 fi
