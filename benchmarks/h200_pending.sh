@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -50,5 +50,12 @@ if [[ $what == warmup || $what == all ]]; then  # serve's warm-up with a cold, t
   for run in cold warm; do
     timeout 270 python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor-warmup 2>&1 \
       | grep '^{' | tee -a "$out/warmup.jsonl"
+  done
+fi
+if [[ $what == prefill || $what == all ]]; then  # session 5: compile_prefill (TTFT, the SSE ramp), side by side
+  for flag in false true; do
+    timeout 200 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --prompt-len 512 --reps 2 \
+      --engine-option compile_prefill=$flag --json "$out/prefill-$flag.jsonl" > "$out/prefill-$flag.txt" 2>&1
+    grep -A3 "^ *B " "$out/prefill-$flag.txt"
   done
 fi

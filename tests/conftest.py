@@ -81,3 +81,13 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[model_type]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with no compiled code: dynamo keeps its graphs per code object, so engines built by
+    earlier tests (same forward functions, other instances) would count against its recompile limit."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield

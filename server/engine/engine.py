@@ -22,7 +22,7 @@ from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
 from server.engine.decode_graphs import DecodeGraphs
 from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from server.engine.model_runner import KVCache, ModelRunner, SampledToken
+from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner, SampledToken
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.state_cache import StateCache, StateSlots
@@ -81,6 +81,10 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
         )
         self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size, self._decode_graphs(), self.state_cache)
+        if config.compile_prefill:
+            caches = [t for layer in self.kv_cache.layers for t in layer]
+            caches += [t for layer in (self.state_cache.layers if self.state_cache else []) for t in layer]
+            self.runner.forward_steps = CompiledSteps(model, caches)
         self._outputs: dict[str, _OutputState] = {}
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0
@@ -325,21 +329,29 @@ class Engine:
         return self.generate(ChatPrompt(text), params)
 
     def warm_up(self) -> float:
-        """Compile (and capture) the decode step before serving, so that no request waits for it; returns the
-        seconds taken. sdpa/reduce: batch 1, then batch 2, whose graph serves every larger batch (later shapes
-        only capture CUDA graphs); flex: every batch bucket (its kernel needs a static batch). The KV width is
-        dynamic from the first compile (DecodeGraphs._mark_shapes). A no-op without the compiled step (the CPU
-        default)."""
+        """Compile (and capture) the compiled steps before serving, so that no request waits for them; returns
+        the seconds taken. Decode: one run per batch bucket (sdpa/reduce compile batch 1 and then one graph for
+        larger batches, whose later buckets only capture CUDA graphs unless a size guard differs, as MoE's
+        few-tokens path does; flex compiles each bucket). With compile_prefill, also the prefill forms: fresh
+        prompts together (few and many tokens), a chunk alone, then continued beside another. A no-op when
+        nothing is compiled (the CPU default)."""
         graphs = self.runner.decode_graphs
-        if graphs is None:
+        if graphs is None and not self.config.compile_prefill:
             return 0.0
         start = time.perf_counter()
-        sizes = graphs.batch_sizes if self.config.decode_attention == "flex" else sorted({1, min(2, self.config.max_num_seqs)})
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
-        for num_seqs in sizes:  # 1-token prompts: the whole batch is prefilled in one step, then decodes together
-            self._run_to_completion([self.make_request([1 + i], replace(params)) for i in range(num_seqs)])
+        # 1-token prompts: the whole batch is prefilled in one step (through the decode step), then decodes
+        runs = [[[1 + i] for i in range(n)] for n in (graphs.batch_sizes if graphs is not None else [1, 2])]
+        if self.config.compile_prefill:
+            budget = self.config.max_num_batched_tokens
+            for run, prompt_len in enumerate((2, budget // 2, budget + 3)):  # distinct: no prefix-cache hits
+                prompt_len = max(1, min(prompt_len, self.max_model_len - params.max_tokens))
+                runs.append([[1 + (7 * run + 3 * i + j) % (self.vocab_size - 1) for j in range(prompt_len)]
+                             for i in range(2)])
+        for prompts in runs:
+            self._run_to_completion([self.make_request(p, replace(params)) for p in prompts])
         seconds = time.perf_counter() - start
-        log.info("decode step compiled for batch sizes %s in %.1f s", sizes, seconds)
+        log.info("compiled steps warmed up (%d runs) in %.1f s", len(runs), seconds)
         return seconds
 
     def _run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx.experimental._config as shape_config
 from torch import nn
 
 from server.engine.request import PLACEHOLDER, Request
@@ -57,6 +58,26 @@ class InFlightStep:
         return result
 
 
+class CompiledSteps:
+    """Prefill and mixed steps through torch.compile(dynamic=True) (EngineConfig.compile_prefill): one graph per
+    attention form instead of one per shape. Token, sequence and block counts vary freely; the caches never
+    change shape, so they are static (else torch's duck sizing equates e.g. a batch of 8 with 8 KV heads and
+    recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many)."""
+
+    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor]):
+        for tensor in cache_tensors:
+            torch._dynamo.mark_static(tensor)
+        # attention forms x MoE token-count paths: a few graphs of one forward, within dynamo's limit
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+        self._compiled = torch.compile(model, dynamic=True)
+        wanted = {"use_duck_shape": False, "backed_size_oblivious": True}  # private knobs: only those this torch has
+        self._shape_config = {k: v for k, v in wanted.items() if hasattr(shape_config, k)}
+
+    def __call__(self, *args):
+        with shape_config.patch(**self._shape_config):
+            return self._compiled(*args)
+
+
 class KVCache:
     """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device."""
 
@@ -84,6 +105,7 @@ class ModelRunner:
         self._sample = torch.compile(sampling.sample, fullgraph=True, dynamic=None) if decode_graphs else sampling.sample
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
+        self.forward_steps = model  # prefill and mixed steps (the eager model, or a compiled one: compile_prefill)
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
@@ -104,7 +126,7 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
             self._feed_pending(input_ids, pending, prev)
-            hidden = self.model(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
+            hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
             step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
             logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:

@@ -65,3 +65,25 @@ def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):
     assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert (4, 64) in compiled.runner.decode_graphs._seen  # a new batch and KV bucket, same compiled graph
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny_checkpoint):
+    """compile_prefill: prefill, chunked and mixed steps through torch.compile(dynamic=True) give the eager
+    tokens; for a dense model, after warm_up() new prompt lengths and mixes trace no new graph (MoE layers pick
+    their path by token count, so they may compile a form more)."""
+    from torch._dynamo.utils import counters
+
+    path, _ = tiny_checkpoint(arch)
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", compile_prefill=True)
+    assert compiled.runner.forward_steps is not compiled.runner.model
+    compiled.warm_up()
+    graphs_before = counters["stats"]["unique_graphs"]
+    params = SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)
+    for lens in [(5, 19, 11), (40, 3, 2, 27)]:  # fresh prompts together, chunks past the 16-token budget, mixes
+        prompts = [random_ids(n, n + 7) for n in lens]
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        assert [o.token_ids for o in compiled.generate(prompts, params)] == want
+    if arch == "llama":
+        assert counters["stats"]["unique_graphs"] == graphs_before
