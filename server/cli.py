@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled")
     info.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
+    info.add_argument("--compile-probes", action="store_true",
+                      help="also compile and check the compiled-only paths (decode_attention=flex)")
     return parser
 
 
@@ -110,6 +112,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("fast paths:")
     for line in capabilities(device).describe():
         print(f"  {line}")
+    if args.compile_probes:  # these compile on the device, so they take seconds to a minute
+        from server.engine.device import select_dtype
+        from server.kernels.flex_decode import probe_compiled
+
+        ok, why = probe_compiled(str(device), select_dtype("auto", device, None), 16)
+        print(f"  {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}")
     return 0
 
 

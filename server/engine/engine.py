@@ -341,7 +341,7 @@ class Engine:
         start = time.perf_counter()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
         # 1-token prompts: the whole batch is prefilled in one step (through the decode step), then decodes
-        runs = [[[1 + i] for i in range(n)] for n in (graphs.batch_sizes if graphs is not None else [1, 2])]
+        runs = [[[1 + i % (self.vocab_size - 1)] for i in range(n)] for n in (graphs.batch_sizes if graphs is not None else [1, 2])]
         if self.config.compile_prefill:
             budget = self.config.max_num_batched_tokens
             for run, prompt_len in enumerate((2, budget // 2, budget + 3)):  # distinct: no prefix-cache hits

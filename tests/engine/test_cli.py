@@ -30,3 +30,11 @@ def test_info_explains_the_device_choice(tmp_path):
     done = run_cli("info", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "MPS:" in done.stdout and "device:" in done.stdout and "fast paths:" in done.stdout
+    assert "flex_decode" not in done.stdout  # compiling probes only on request
+
+
+def test_info_compile_probes_say_whether_flex_decode_runs(tmp_path):
+    done = run_cli("info", "--device", "cpu", "--compile-probes", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if "flex_decode" in line)
+    assert line.split()[1] in ("yes", "no") and len(line.split()) > 3  # a verdict and its reason
