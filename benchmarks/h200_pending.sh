@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|kvwrite|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -58,4 +58,7 @@ if [[ $what == prefill || $what == all ]]; then  # session 5: compile_prefill (T
       --engine-option compile_prefill=$flag --json "$out/prefill-$flag.jsonl" > "$out/prefill-$flag.txt" 2>&1
     grep -A3 "^ *B " "$out/prefill-$flag.txt"
   done
+fi
+if [[ $what == kvwrite || $what == all ]]; then  # session 5: one KV-write kernel per layer instead of two?
+  for batch in 1 16; do timeout 120 python3 benchmarks/kv_write.py --batch $batch 2>&1 | grep '^{' | tee -a "$out/kv_write.jsonl"; done
 fi
