@@ -2,7 +2,7 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|kvwrite|all]
+#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|kvwrite|nographs|all]
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -61,4 +61,11 @@ if [[ $what == prefill || $what == all ]]; then  # session 5: compile_prefill (T
 fi
 if [[ $what == kvwrite || $what == all ]]; then  # session 5: one KV-write kernel per layer instead of two?
   for batch in 1 16; do timeout 120 python3 benchmarks/kv_write.py --batch $batch 2>&1 | grep '^{' | tee -a "$out/kv_write.jsonl"; done
+fi
+if [[ $what == nographs || $what == all ]]; then  # the MPS-like mode (no CUDA graphs): does inductor's C++ wrapper
+  for wrapper in 0 1; do  # cut the per-kernel launch cost of the compiled step? (env only, no code change needed)
+    TORCHINDUCTOR_CPP_WRAPPER=$wrapper timeout 150 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
+      --engine-option cuda_graphs=false --json "$out/nographs-cpp$wrapper.jsonl" > "$out/nographs-cpp$wrapper.txt" 2>&1
+    grep -A1 "^ *B " "$out/nographs-cpp$wrapper.txt"
+  done
 fi
