@@ -332,9 +332,9 @@ class Engine:
         """Compile (and capture) the compiled steps before serving, so that no request waits for them; returns
         the seconds taken. Decode: one run per batch bucket (sdpa/reduce compile batch 1 and then one graph for
         larger batches, whose later buckets only capture CUDA graphs unless a size guard differs, as MoE's
-        few-tokens path does; flex compiles each bucket). With compile_prefill, also the prefill forms: fresh
-        prompts together (few and many tokens), a chunk alone, then continued beside another. A no-op when
-        nothing is compiled (the CPU default)."""
+        few-tokens path does; flex compiles each bucket). With compile_prefill, also the prefill forms (a fresh
+        prompt alone, fresh prompts together, continued chunks and mixes), each with few and with many tokens.
+        A no-op when nothing is compiled (the CPU default)."""
         graphs = self.runner.decode_graphs
         if graphs is None and not self.config.compile_prefill:
             return 0.0
@@ -342,12 +342,13 @@ class Engine:
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
         # 1-token prompts: the whole batch is prefilled in one step (through the decode step), then decodes
         runs = [[[1 + i % (self.vocab_size - 1)] for i in range(n)] for n in (graphs.batch_sizes if graphs is not None else [1, 2])]
-        if self.config.compile_prefill:
+        if self.config.compile_prefill:  # each attention form with few and with many tokens (MoE paths differ)
             budget = self.config.max_num_batched_tokens
-            for run, prompt_len in enumerate((2, budget // 2, budget + 3)):  # distinct: no prefix-cache hits
+            shapes = [(1, 3), (1, budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]  # (prompts, prompt length)
+            for run, (num_prompts, prompt_len) in enumerate(shapes):  # distinct prompts: no prefix-cache hits
                 prompt_len = max(1, min(prompt_len, self.max_model_len - params.max_tokens))
                 runs.append([[1 + (7 * run + 3 * i + j) % (self.vocab_size - 1) for j in range(prompt_len)]
-                             for i in range(2)])
+                             for i in range(num_prompts)])
         for prompts in runs:
             self._run_to_completion([self.make_request(p, replace(params)) for p in prompts])
         seconds = time.perf_counter() - start
