@@ -28,7 +28,7 @@ class EngineConfig:
     decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
     # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches and no per-op dispatch;
-    # off by default until measured on a GPU (compiles 3-4 graphs per model, minutes for hybrids)
+    # off by default until measured on a GPU (a few graphs per model, compiled by warm_up; minutes for hybrids)
     compile_prefill: bool = False
     revision: str | None = None
 
