@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from server.bench.measure import cuda_graph_us
 from server.kernels.flex_decode import decode_block_mask, flex_decode_attention
 from server.kernels.paged_attention import paged_attention, paged_decode_attention
 from server.models.base import AttentionMetadata
@@ -64,19 +65,7 @@ def time_layers(kind: str, block_size: int, batch: int, context: int, device) ->
     positions = torch.full((batch,), context - 1, device=device)
     caches = [(k_cache, v_cache)] * NUM_LAYERS
     step = layers_step(kind, caches)
-    for _ in range(3):
-        step(q, tables, positions)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(q, tables, positions)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(50):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / 50 / NUM_LAYERS
+    return cuda_graph_us(lambda: step(q, tables, positions), warmups=3, replays=50) / NUM_LAYERS
 
 
 def engine_parity(device) -> dict:

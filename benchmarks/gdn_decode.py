@@ -28,6 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from server.bench.measure import cuda_graph_us
 from server.kernels import gated_delta
 
 HV, HK, DK, DV = 32, 16, 128, 128
@@ -112,19 +113,7 @@ def run_form(name: str, batch: int, num_layers: int, device) -> dict:
               "max_err_state": (new_state - expected_state).abs().max().item()}
     step = lambda: [one(x, cache, slots) for cache in caches]  # noqa: E731
     if device.type == "cuda":
-        for _ in range(2):
-            step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        record["us_per_layer"] = round(start.elapsed_time(end) * 1000 / 20 / num_layers, 2)
+        record["us_per_layer"] = round(cuda_graph_us(step) / num_layers, 2)
     else:
         begin = time.perf_counter()
         step()

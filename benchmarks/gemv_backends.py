@@ -13,30 +13,16 @@ import json
 import torch
 import torch.nn.functional as F
 
+from server.bench.measure import cuda_graph_us
+
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 CALLS = 20
-
-
-def graph_time_us(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / 20
 
 
 def copy_gb_s() -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = graph_time_us(lambda: dst.copy_(src))
+    us = cuda_graph_us(lambda: dst.copy_(src))
     return 2 * src.numel() / us / 1e3
 
 
@@ -49,7 +35,7 @@ def main():
         row = {"shape": name}
         for backend in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(backend)
-            us = graph_time_us(lambda x=x, weights=weights: [F.linear(x, w) for w in weights]) / CALLS
+            us = cuda_graph_us(lambda x=x, weights=weights: [F.linear(x, w) for w in weights]) / CALLS
             row[backend] = {"us": round(us, 2), "of_copy": round(2 * out_features * in_features / us / 1e3 / copy, 3)}
         torch.backends.cuda.preferred_blas_library("cublas")
         print(json.dumps(row), flush=True)

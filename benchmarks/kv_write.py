@@ -17,6 +17,7 @@ import json
 
 import torch
 
+from server.bench.measure import cuda_graph_us
 from server.kernels.paged_attention import write_kv
 from server.models.layers import apply_rope
 
@@ -68,17 +69,8 @@ def main() -> None:
         record = {"form": name, "batch": args.batch, "layers": args.layers, "device": device.type,
                   "max_err_vs_eager": error, "matches_eager": error <= 3e-2}
         if device.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step(k, v, cos, sin, caches, slots)
-            graph.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            record["us_per_layer"] = round(start.elapsed_time(end) * 1000 / 50 / args.layers, 2)
+            timed = cuda_graph_us(lambda step=step, caches=caches: step(k, v, cos, sin, caches, slots), warmups=0, replays=50)
+            record["us_per_layer"] = round(timed / args.layers, 2)
         print(json.dumps(record), flush=True)
 
 

@@ -88,6 +88,24 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     return time.perf_counter() - start, result
 
 
+def cuda_graph_us(fn: Callable[[], object], warmups: int = 2, replays: int = 20) -> float:
+    """Microseconds per replay of `fn` captured in one CUDA graph (device time, no launch cost): the
+    benchmarks' way to time a sequence of kernels."""
+    for _ in range(warmups):  # compile / autotune outside the capture
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / replays
+
+
 def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, reps: int = 10) -> float:
     """(bytes read + bytes written) / time of a device-to-device copy of `num_bytes`, median of `reps` after a
     warm-up. CUDA events time it on CUDA; elsewhere synchronize + perf_counter."""
