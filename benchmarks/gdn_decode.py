@@ -7,11 +7,12 @@ Each form below takes the same inputs (Qwen3.6 shapes: 32 value heads, 16 key he
 normed, gated output, updating the state in place; it is compiled and timed for `--layers` layers (distinct
 states, so the L2 cache does not hold them) in one CUDA graph:
 
-  current     server.kernels.gated_delta.gated_delta_decode_ + GatedRMSNorm, as the model runs it
+  current     server.kernels.gated_delta.gated_delta_decode_ + GatedRMSNorm, as the model runs it: the state
+              stored transposed, [dv, dk], so both products reduce over the contiguous dim (session 5)
   unfused     the same two steps compiled as two functions, so nothing of the norm can fuse into the update
-  bmm         q and k against the state as one batched matmul ([B*H, 2, dk] @ [B*H, dk, dv]), the update as
-              one pointwise pass
-  transposed  the current form on a state stored as [dv, dk] (reductions over the contiguous dim)
+  bmm         q and k against a [dk, dv] state as one batched matmul ([B*H, 2, dk] @ [B*H, dk, dv]), the
+              update as one pointwise pass
+  sk_layout   session 4's form: the state stored as [dk, dv], both products reducing over dk (strided)
 
     PYTHONPATH=. python3 benchmarks/gdn_decode.py [--batch 1] [--layers 30] [--device cpu]   # cpu: a smoke run
 
@@ -69,17 +70,17 @@ def bmm_form(x, state_cache, slots):
     return gated_norm(out, x["z"], x["weight"])
 
 
-def transposed(x, state_t_cache, slots):
-    """state_t_cache [slots, Hv, dv, dk]: S^T, so both products reduce over the last (contiguous) dim."""
+def sk_layout(x, state_cache, slots):
+    """state_cache [slots, Hv, dk, dv]: S, both products reduce over dk, the strided dim (session 4's form)."""
     q, k = gated_delta._normalize_qk(x["q"][:, 0], x["k"][:, 0], HV)
     v, beta = x["v"][:, 0].float(), x["beta"][:, 0].float()
     decay = x["g"][:, 0].float().exp()[..., None]
-    state_t = state_t_cache[slots]  # [B, Hv, dv, dk]
-    predicted = (state_t * k[:, :, None, :]).sum(-1) * decay
-    seen = (state_t * q[:, :, None, :]).sum(-1) * decay
+    state = state_cache[slots]  # [B, Hv, dk, dv]
+    predicted = (k[..., None] * state).sum(-2) * decay
+    seen = (q[..., None] * state).sum(-2) * decay
     update = (v - predicted) * beta[..., None]
     out = seen + (q * k).sum(-1, keepdim=True) * update
-    state_t_cache.index_put_((slots,), state_t * decay[..., None] + update[..., None] * k[:, :, None, :])
+    state_cache.index_put_((slots,), state * decay[..., None] + k[..., None] * update[..., None, :])
     return gated_norm(out, x["z"], x["weight"])
 
 
@@ -95,7 +96,7 @@ def run_form(name: str, batch: int, num_layers: int, device) -> dict:
     states = [torch.randn(num_slots, HV, DK, DV, generator=gen).to(device) * 0.1 for _ in range(num_layers)]
     slots = torch.arange(1, batch + 1, device=device)
     expected_out, expected_state = reference(x, states[0][slots])
-    is_transposed = name == "transposed"
+    is_transposed = name in ("current", "unfused")  # the model's layout: S^T
     caches = [s.transpose(-1, -2).contiguous() for s in states] if is_transposed else [s.clone() for s in states]
     if name == "unfused":
         update = torch.compile(lambda x, c, s: gated_delta.gated_delta_decode_(x["q"], x["k"], x["v"], x["g"],
@@ -105,7 +106,7 @@ def run_form(name: str, batch: int, num_layers: int, device) -> dict:
         def one(x, cache, slots):
             return norm(update(x, cache, slots)[:, 0], x["z"], x["weight"])
     else:
-        one = torch.compile({"current": current, "bmm": bmm_form, "transposed": transposed}[name], fullgraph=True)
+        one = torch.compile({"current": current, "bmm": bmm_form, "sk_layout": sk_layout}[name], fullgraph=True)
     out = one(x, caches[0], slots)
     new_state = caches[0][slots].transpose(-1, -2) if is_transposed else caches[0][slots]
     record = {"form": name, "batch": batch, "device": device.type,
@@ -126,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--forms", default="current,unfused,bmm,transposed")
+    parser.add_argument("--forms", default="current,unfused,bmm,sk_layout")
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()
     device = torch.device(args.device)

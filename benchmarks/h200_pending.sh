@@ -2,7 +2,8 @@
 # The issue-5 measurements still pending after session 3, with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
-#   bash benchmarks/h200_pending.sh [decode|sse|flex16|sse512|qwen36|gdn|warmup|prefill|kvwrite|nographs|all]
+#   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
+#   ssecp llama3, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -10,8 +11,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
-what=${1:-all}
-if [[ $what == decode || $what == all ]]; then  # session 4: packed step input, feed + greedy argmax in the graph
+cases=" ${*:-all} "
+want() { [[ $cases == *" $1 "* || $cases == *" all "* ]]; }
+if want decode; then  # session 4: packed step input, feed + greedy argmax in the graph
   timeout 150 python3 benchmarks/flex_decode_check.py --block-sizes 16 --batches 1 --timed-block-size 0 \
     > "$out/parity.txt" 2>&1; grep engine_parity "$out/parity.txt"
   for variant in flex flex-noworkspace sdpa; do  # no cuBLAS workspace: does split-K's reduce kernel go?
@@ -23,49 +25,60 @@ if [[ $what == decode || $what == all ]]; then  # session 4: packed step input, 
   timeout 150 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
     > "$out/breakdown-llama-flex.txt" 2>&1; tail -32 "$out/breakdown-llama-flex.txt"
 fi
-if [[ $what == sse || $what == all ]]; then  # GIL hand-over + RequestHandle.forward, landed unmeasured
+if want sse; then  # GIL hand-over + RequestHandle.forward, landed unmeasured
   timeout 320 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 2 \
     --json "$out/sse.jsonl" > "$out/sse.txt" 2>&1; grep -v INFO "$out/sse.txt" | tail -4
 fi
-if [[ $what == flex16 || $what == all ]]; then  # flex at batch 16 with the final mask, sdpa beside it
+if want flex16; then  # flex at batch 16 with the final mask, sdpa beside it
   for kind in flex sdpa; do
     timeout 170 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --engine-option decode_attention=$kind \
       --json "$out/llama-$kind.jsonl" > "$out/llama-$kind.txt" 2>&1; grep -A3 "^ *B " "$out/llama-$kind.txt"
   done
 fi
-if [[ $what == sse512 || $what == all ]]; then  # longer streams: the arrival ramp amortized as in a chat
+if want sse512; then  # longer streams: the arrival ramp amortized as in a chat
   timeout 240 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --max-tokens 512 --reps 2 \
     --json "$out/sse512.jsonl" > "$out/sse512.txt" 2>&1; grep -v INFO "$out/sse512.txt" | tail -3
 fi
-if [[ $what == qwen36 || $what == all ]]; then
+if want qwen36; then
   timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3.6-35b-a3b --top 25 > "$out/breakdown-qwen36.txt" 2>&1
   tail -30 "$out/breakdown-qwen36.txt"
 fi
-if [[ $what == gdn || $what == all ]]; then  # session 5: which GDN decode form moves the state fastest
+if want gdn; then  # session 5: which GDN decode form moves the state fastest
   timeout 200 python3 benchmarks/gdn_decode.py --batch 1 > "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl"
   timeout 200 python3 benchmarks/gdn_decode.py --batch 16 --layers 8 >> "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl" | tail -4
 fi
-if [[ $what == warmup || $what == all ]]; then  # serve's warm-up with a cold, then a warm compile cache
+if want warmup; then  # serve's warm-up with a cold, then a warm compile cache
   rm -rf /tmp/inductor-warmup
   for run in cold warm; do
     timeout 270 python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor-warmup 2>&1 \
       | grep '^{' | tee -a "$out/warmup.jsonl"
   done
 fi
-if [[ $what == prefill || $what == all ]]; then  # session 5: compile_prefill (TTFT, the SSE ramp), side by side
+if want prefill; then  # session 5: compile_prefill (TTFT, the SSE ramp), side by side
   for flag in false true; do
     timeout 200 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --prompt-len 512 --reps 2 \
       --engine-option compile_prefill=$flag --json "$out/prefill-$flag.jsonl" > "$out/prefill-$flag.txt" 2>&1
     grep -A3 "^ *B " "$out/prefill-$flag.txt"
   done
 fi
-if [[ $what == kvwrite || $what == all ]]; then  # session 5: one KV-write kernel per layer instead of two?
+if want kvwrite; then  # session 5: one KV-write kernel per layer instead of two?
   for batch in 1 16; do timeout 120 python3 benchmarks/kv_write.py --batch $batch 2>&1 | grep '^{' | tee -a "$out/kv_write.jsonl"; done
 fi
-if [[ $what == nographs || $what == all ]]; then  # the MPS-like mode (no CUDA graphs): does inductor's C++ wrapper
+if want nographs; then  # the MPS-like mode (no CUDA graphs): does inductor's C++ wrapper
   for wrapper in 0 1; do  # cut the per-kernel launch cost of the compiled step? (env only, no code change needed)
     TORCHINDUCTOR_CPP_WRAPPER=$wrapper timeout 150 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
       --engine-option cuda_graphs=false --json "$out/nographs-cpp$wrapper.jsonl" > "$out/nographs-cpp$wrapper.txt" 2>&1
     grep -A1 "^ *B " "$out/nographs-cpp$wrapper.txt"
+  done
+fi
+if want ssecp; then  # session 5: 16 x 128-token streams with compiled prefill (the arrival ramp)
+  timeout 420 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 2 \
+    --engine-option compile_prefill=true --json "$out/sse-cp.jsonl" > "$out/sse-cp.txt" 2>&1
+  grep -v INFO "$out/sse-cp.txt" | tail -4
+fi
+if want llama3; then  # session 5: three batch-1 runs on one machine (the target sits at the machine spread)
+  for run in 1 2 3; do
+    timeout 110 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
+      --json "$out/llama3.jsonl" > "$out/llama3-$run.txt" 2>&1; grep -A2 "^ *B " "$out/llama3-$run.txt"
   done
 fi

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from server.bench.measure import synchronize
+from server.bench.options import engine_option
 from server.bench.presets import load_preset
 from server.bench.run import device_name, random_prompts
 from server.config import EngineConfig
@@ -61,7 +62,7 @@ def build_engine(args: argparse.Namespace, max_len: int):
     max_seqs = max(args.streams)
     if args.model:
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max_seqs,
-                              max_model_len=max_len, enable_prefix_caching=False)
+                              max_model_len=max_len, enable_prefix_caching=False, **args.engine_options)
         return Engine.from_config(config)
     from server.bench.random_model import build_random_model
     from server.engine.tokenizer import Tokenizer
@@ -74,7 +75,8 @@ def build_engine(args: argparse.Namespace, max_len: int):
         write_word_tokenizer(Path(tmp), int(hf_config["vocab_size"]))
         tokenizer = Tokenizer.from_pretrained(tmp)
     config = EngineConfig(model=args.preset, device=device.type, dtype=str(dtype).removeprefix("torch."),
-                          max_num_seqs=max_seqs, max_model_len=max_len, enable_prefix_caching=False)
+                          max_num_seqs=max_seqs, max_model_len=max_len, enable_prefix_caching=False,
+                          **args.engine_options)
     return Engine.from_model(model, config, device, tokenizer=tokenizer, max_model_len=max_len)
 
 
@@ -182,6 +184,7 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     max_len = args.prompt_len + args.max_tokens + 16
     engine = build_engine(args, max_len)
+    engine.warm_up()  # as `serve` does before /health turns ready
     batches = {n: random_prompts(n, args.prompt_len, engine.vocab_size, args.seed + n) for n in args.streams}
     results = {n: {"streams": n} for n in args.streams}
     lengths = (args.max_tokens // 2, args.max_tokens)
@@ -220,6 +223,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         server.should_exit = True
         thread.join(timeout=60)
     common = {"preset": args.preset, "model": args.model, "device": str(engine.device),
+              "engine_options": args.engine_options,
               "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,
@@ -279,7 +283,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="append one JSON object per N")
+    parser.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
+                        help="an EngineConfig field, e.g. compile_prefill=true (repeatable)")
     args = parser.parse_args(argv)
+    args.engine_options = dict(args.engine_option)
     if (args.model is None) == (args.preset is None):
         parser.error("give a MODEL or --preset NAME (not both)")
     args.streams = [int(v) for v in args.streams.split(",") if v.strip()]

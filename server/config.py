@@ -27,9 +27,9 @@ class EngineConfig:
     # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention, CUDA)
     decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
-    # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches and no per-op dispatch;
-    # off by default until measured on a GPU (a few graphs per model, compiled by warm_up; minutes for hybrids)
-    compile_prefill: bool = False
+    # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches, no per-op dispatch (H200:
+    # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA; off on MPS until measured there
+    compile_prefill: bool | None = None
     revision: str | None = None
 
 

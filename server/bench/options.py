@@ -67,7 +67,7 @@ def _quantize_list(text: str) -> tuple[str, ...]:
     return values
 
 
-def _engine_option(text: str) -> tuple[str, Any]:
+def engine_option(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (an EngineConfig field), got {text!r}")
@@ -104,7 +104,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
     bench.add_argument("--config", dest="config_file", default=None, help="TOML with an [engine] table")
-    bench.add_argument("--engine-option", action="append", type=_engine_option, default=[], metavar="KEY=VALUE",
+    bench.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
                        help="EngineConfig field override, e.g. compile=off or cuda_graphs=false (repeatable)")
     return bench
 

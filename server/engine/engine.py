@@ -81,7 +81,8 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
         )
         self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size, self._decode_graphs(), self.state_cache)
-        if config.compile_prefill:
+        self.compile_prefill = self._wants_compiled_prefill()
+        if self.compile_prefill:
             caches = [t for layer in self.kv_cache.layers for t in layer]
             caches += [t for layer in (self.state_cache.layers if self.state_cache else []) for t in layer]
             self.runner.forward_steps = CompiledSteps(model, caches)
@@ -140,6 +141,11 @@ class Engine:
             self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
             self.config.decode_attention, state_cache=self.state_cache,
         )
+
+    def _wants_compiled_prefill(self) -> bool:
+        if self.config.compile_prefill is not None:
+            return self.config.compile_prefill
+        return self.runner.decode_graphs is not None and self.device.type == "cuda"
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config
@@ -336,13 +342,13 @@ class Engine:
         prompt alone, fresh prompts together, continued chunks and mixes), each with few and with many tokens.
         A no-op when nothing is compiled (the CPU default)."""
         graphs = self.runner.decode_graphs
-        if graphs is None and not self.config.compile_prefill:
+        if graphs is None and not self.compile_prefill:
             return 0.0
         start = time.perf_counter()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
         # 1-token prompts: the whole batch is prefilled in one step (through the decode step), then decodes
         runs = [[[1 + i % (self.vocab_size - 1)] for i in range(n)] for n in (graphs.batch_sizes if graphs is not None else [1, 2])]
-        if self.config.compile_prefill:  # each attention form with few and with many tokens (MoE paths differ)
+        if self.compile_prefill:  # each attention form with few and with many tokens (MoE paths differ)
             budget = self.config.max_num_batched_tokens
             shapes = [(1, 3), (1, budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]  # (prompts, prompt length)
             for run, (num_prompts, prompt_len) in enumerate(shapes):  # distinct prompts: no prefix-cache hits

@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
         return [
             ((self.conv_dim, self.kernel_size - 1), None),  # pre-conv [q|k|v], model dtype
-            ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),  # recurrent state
+            ((self.num_v_heads, self.v_dim, self.k_dim), torch.float32),  # recurrent state, stored as S^T
         ]
 
     def forward(self, x, rope, meta: AttentionMetadata, state) -> torch.Tensor:
@@ -135,8 +135,9 @@ class GatedDeltaNet(nn.Module):
         if meta.is_decode:
             out = gated_delta.gated_delta_decode_(q, k, v, g, beta, recurrent_cache, slots)
         else:
-            out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_cache[slots])
-            recurrent_cache.index_copy_(0, slots, new_state)
+            state = recurrent_cache[slots].transpose(-1, -2)  # the cache holds S^T: see gated_delta_decode_
+            out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, state)
+            recurrent_cache.index_copy_(0, slots, new_state.transpose(-1, -2))
         out = self.norm(_flat(out, meta), z.view(num_tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size))
 

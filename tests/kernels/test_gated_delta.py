@@ -53,20 +53,21 @@ def test_recurrent_step_matches_reference_and_continues_a_prefill():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_decode_step_updates_the_state_cache_in_place(compiled):
-    """Rows at permuted slots of a larger cache: outputs and new states match the reference, other slots are
-    untouched. Compiled, the step takes the fused form (state read in place, o from the old state)."""
+    """Rows at permuted slots of a larger cache of transposed states (S^T): outputs and new states match the
+    reference, other slots are untouched. Compiled, the step takes the fused form (state read in place, o from
+    the old state)."""
     if compiled and shutil.which("gcc") is None and shutil.which("cc") is None:
         pytest.skip("inductor needs a C compiler")
     q, k, v, g, beta, state = _inputs(3, 1, seed=21)
-    cache = torch.randn(7, *state.shape[1:], generator=torch.Generator().manual_seed(22))
+    cache = torch.randn(7, *state.transpose(-1, -2).shape[1:], generator=torch.Generator().manual_seed(22))
     slots = torch.tensor([5, 0, 3])
-    cache[slots] = state
+    cache[slots] = state.transpose(-1, -2)
     before = cache.clone()
     step = torch.compile(gd.gated_delta_decode_, fullgraph=True) if compiled else gd.gated_delta_decode_
     out = step(q, k, v, g, beta, cache, slots)
     ref_out, ref_state = gd.gated_delta_rule_reference(q, k, v, g, beta, state)
     assert out.shape == ref_out.shape and (out - ref_out).abs().max().item() < 1e-4
-    assert (cache[slots] - ref_state).abs().max().item() < 1e-4
+    assert (cache[slots].transpose(-1, -2) - ref_state).abs().max().item() < 1e-4
     others = [i for i in range(7) if i not in slots.tolist()]
     assert torch.equal(cache[others], before[others])
 

@@ -32,7 +32,7 @@ def tiny_hybrid_configs() -> dict:
     c = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512, tie_word_embeddings=False)
     hyb = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+               linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)  # dk != dv: layout bugs show
     moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     mrope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                  mrope_interleaved=True, mrope_section=[2, 1, 1])
