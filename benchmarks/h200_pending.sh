@@ -3,7 +3,7 @@
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3, or all)
+#   ssecp llama3 qwen36e2e, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -81,4 +81,8 @@ if want llama3; then  # session 5: three batch-1 runs on one machine (the target
     timeout 110 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
       --json "$out/llama3.jsonl" > "$out/llama3-$run.txt" 2>&1; grep -A2 "^ *B " "$out/llama3-$run.txt"
   done
+fi
+if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default on CUDA) on the hybrid, end to end
+  timeout 400 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \
+    --json "$out/qwen36.jsonl" > "$out/qwen36.txt" 2>&1; grep -A2 "^ *B " "$out/qwen36.txt" || tail -20 "$out/qwen36.txt"
 fi
