@@ -143,9 +143,11 @@ class Engine:
         )
 
     def _wants_compiled_prefill(self) -> bool:
+        """None: on with the compiled decode step on CUDA, except for hybrids, whose dynamic-shape prefill graph
+        took 290 s to compile cold on the H200 (Qwen3.6: prefill 2x faster once compiled, docs/PERF.md)."""
         if self.config.compile_prefill is not None:
             return self.config.compile_prefill
-        return self.runner.decode_graphs is not None and self.device.type == "cuda"
+        return self.runner.decode_graphs is not None and self.device.type == "cuda" and self.state_cache is None
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config

@@ -87,3 +87,26 @@ def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny
         want = [o.token_ids for o in eager.generate(prompts, params)]
         assert [o.token_ids for o in compiled.generate(prompts, params)] == want
     assert counters["stats"]["unique_graphs"] == graphs_before
+
+
+@pytest.mark.parametrize("device, decode_compiled, hybrid, setting, expected", [
+    ("cuda", True, False, None, True),  # the default where it was measured
+    ("cuda", True, True, None, False),  # hybrids: minutes of cold compile, opt in
+    ("cuda", False, False, None, False),  # compile=off keeps everything eager
+    ("mps", True, False, None, False),  # not measured on a Mac yet
+    ("cpu", True, True, True, True),  # an explicit setting wins
+    ("cuda", True, False, False, False),
+])
+def test_compile_prefill_default(device, decode_compiled, hybrid, setting, expected):
+    import types
+
+    import torch
+
+    from server.config import EngineConfig
+
+    engine = types.SimpleNamespace(
+        config=EngineConfig(compile_prefill=setting), device=torch.device(device),
+        runner=types.SimpleNamespace(decode_graphs=object() if decode_compiled else None),
+        state_cache=object() if hybrid else None,
+    )
+    assert Engine._wants_compiled_prefill(engine) is expected
