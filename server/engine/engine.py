@@ -85,7 +85,7 @@ class Engine:
         if self.compile_prefill:
             caches = [t for layer in self.kv_cache.layers for t in layer]
             caches += [t for layer in (self.state_cache.layers if self.state_cache else []) for t in layer]
-            self.runner.forward_steps = CompiledSteps(model, caches)
+            self.runner.forward_steps = CompiledSteps(model, caches, size_oblivious=self.state_cache is None)
         self._outputs: dict[str, _OutputState] = {}
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0

@@ -64,13 +64,15 @@ class CompiledSteps:
     change shape, so they are static (else torch's duck sizing equates e.g. a batch of 8 with 8 KV heads and
     recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many)."""
 
-    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor]):
+    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], size_oblivious: bool = True):
         for tensor in cache_tensors:
             torch._dynamo.mark_static(tensor)
         # attention forms x MoE token-count paths: a few graphs of one forward, within dynamo's limit
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._compiled = torch.compile(model, dynamic=True)
-        wanted = {"use_duck_shape": False, "backed_size_oblivious": True}  # private knobs: only those this torch has
+        # Hybrids specialize size 1: with it size-oblivious, a one-row continued chunk failed to lower in inductor
+        # (the Gated DeltaNet state's rows broadcast against a literal 1; torch 2.13, session 5).
+        wanted = {"use_duck_shape": False, "backed_size_oblivious": size_oblivious}  # private knobs, where present
         self._shape_config = {k: v for k, v in wanted.items() if hasattr(shape_config, k)}
 
     def __call__(self, *args):
