@@ -28,8 +28,8 @@ class EngineConfig:
     decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
     # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches, no per-op dispatch (H200:
-    # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for attention-only models; off
-    # for hybrids (minutes of cold compile) and on MPS until measured there
+    # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for bf16/fp16 attention-only
+    # models; off for hybrids (minutes of cold compile), FP8 and on MPS until measured there
     compile_prefill: bool | None = None
     revision: str | None = None
 

@@ -143,11 +143,13 @@ class Engine:
         )
 
     def _wants_compiled_prefill(self) -> bool:
-        """None: on with the compiled decode step on CUDA, except for hybrids, whose dynamic-shape prefill graph
-        took 290 s to compile cold on the H200 (Qwen3.6: prefill 2x faster once compiled, docs/PERF.md)."""
+        """None: on where it was measured: with the compiled decode step, on CUDA, bf16/fp16 weights (FP8 prefill
+        compiled is not measured yet), attention-only models (a hybrid's dynamic-shape prefill graph took 290 s to
+        compile cold on the H200; Qwen3.6's prefill was 2x faster once compiled, docs/PERF.md)."""
         if self.config.compile_prefill is not None:
             return self.config.compile_prefill
-        return self.runner.decode_graphs is not None and self.device.type == "cuda" and self.state_cache is None
+        measured = self.device.type == "cuda" and self.state_cache is None and self.config.quantization in (None, "none")
+        return self.runner.decode_graphs is not None and measured
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:
         config = self.config

@@ -89,15 +89,17 @@ def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny
     assert counters["stats"]["unique_graphs"] == graphs_before
 
 
-@pytest.mark.parametrize("device, decode_compiled, hybrid, setting, expected", [
-    ("cuda", True, False, None, True),  # the default where it was measured
-    ("cuda", True, True, None, False),  # hybrids: minutes of cold compile, opt in
-    ("cuda", False, False, None, False),  # compile=off keeps everything eager
-    ("mps", True, False, None, False),  # not measured on a Mac yet
-    ("cpu", True, True, True, True),  # an explicit setting wins
-    ("cuda", True, False, False, False),
+@pytest.mark.parametrize("device, decode_compiled, hybrid, quantization, setting, expected", [
+    ("cuda", True, False, None, None, True),  # the default where it was measured
+    ("cuda", True, True, None, None, False),  # hybrids: minutes of cold compile, opt in
+    ("cuda", True, False, "fp8", None, False),  # FP8 prefill compiled: not measured yet
+    ("cuda", True, False, "none", None, True),
+    ("cuda", False, False, None, None, False),  # compile=off keeps everything eager
+    ("mps", True, False, None, None, False),  # not measured on a Mac yet
+    ("cpu", True, True, None, True, True),  # an explicit setting wins
+    ("cuda", True, False, None, False, False),
 ])
-def test_compile_prefill_default(device, decode_compiled, hybrid, setting, expected):
+def test_compile_prefill_default(device, decode_compiled, hybrid, quantization, setting, expected):
     import types
 
     import torch
@@ -105,7 +107,7 @@ def test_compile_prefill_default(device, decode_compiled, hybrid, setting, expec
     from server.config import EngineConfig
 
     engine = types.SimpleNamespace(
-        config=EngineConfig(compile_prefill=setting), device=torch.device(device),
+        config=EngineConfig(compile_prefill=setting, quantization=quantization), device=torch.device(device),
         runner=types.SimpleNamespace(decode_graphs=object() if decode_compiled else None),
         state_cache=object() if hybrid else None,
     )
