@@ -150,6 +150,7 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
     info = {
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
+        "compile_prefill": engine.compile_prefill,  # the config's None resolved for this device and model
     }
     total = report.gigabytes(info["weight_bytes_total"])
     progress.write(f"built {target.name} in {build_s:.1f} s: {total} of weights, "
