@@ -3,7 +3,7 @@
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e, or all)
+#   ssecp llama3 qwen36e2e arrivals, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -85,4 +85,7 @@ fi
 if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default on CUDA) on the hybrid, end to end
   timeout 400 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \
     --json "$out/qwen36.jsonl" > "$out/qwen36.txt" 2>&1; grep -A2 "^ *B " "$out/qwen36.txt" || tail -20 "$out/qwen36.txt"
+fi
+if want arrivals; then  # session 5: how far apart 16 SSE requests reach the engine (the ramp at short streams)
+  timeout 240 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 2>&1 | grep '^{' | tee "$out/arrivals.jsonl"
 fi

@@ -196,6 +196,19 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
         presets.load_preset(str(bad))
 
 
+def test_sse_arrivals_script_times_every_request(capsys):
+    """benchmarks/sse_arrivals.py on the CPU: one submit and one engine admission per stream, spreads measured."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    import benchmarks.sse_arrivals as module
+
+    assert module.main(["--device", "cpu", "--streams", "3", "--max-tokens", "2", "--prompt-len", "8", "--reps", "1"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(records) == 1 and records[0]["streams"] == 3
+    assert len(records[0]["submit_gaps_ms"]) == 2 and all(g >= 0 for g in records[0]["submit_gaps_ms"])
+    assert records[0]["add_spread_ms"] >= 0 and records[0]["submit_spread_ms"] >= 0
+
+
 def test_sse_delivery_script_streams_the_engine_text(tmp_path):
     """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text."""
     pytest.importorskip("uvicorn")
