@@ -40,6 +40,7 @@ from server.engine.types import (
 )
 from server.engine.weights import load_model, resolve_model_path
 from server.kernels import flex_decode
+from server.kernels.gated_delta import CHUNK_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -355,6 +356,10 @@ class Engine:
         if self.compile_prefill:  # each attention form with few and with many tokens (MoE paths differ)
             budget = self.config.max_num_batched_tokens
             shapes = [(1, 3), (1, budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]  # (prompts, prompt length)
+            if self.state_cache is not None:  # the chunked GDN specializes on one chunk or more and on padding,
+                # and each decoder layer compiles apart (a graph break around the GDN chunk loop): a long tail too
+                shapes += [(n, length) for n in (1, 2) for length in (CHUNK_SIZE, CHUNK_SIZE + 6)]
+                shapes.append((1, budget + CHUNK_SIZE + 6))
             for run, (num_prompts, prompt_len) in enumerate(shapes):  # distinct prompts: no prefix-cache hits
                 prompt_len = max(1, min(prompt_len, self.max_model_len - params.max_tokens))
                 runs.append([[1 + (7 * run + 3 * i + j) % (self.vocab_size - 1) for j in range(prompt_len)]

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+CHUNK_SIZE = 64  # tokens per chunk of the prefill form
+
 
 def causal_conv1d(
     x: torch.Tensor,  # [B, L, C]
@@ -72,7 +74,7 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,  # [B, L, Hv] log decay (<= 0)
     beta: torch.Tensor,  # [B, L, Hv]
     state: torch.Tensor,  # [B, Hv, dk, dv] fp32
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked prefill -> (o [B, L, Hv, dv] in v.dtype, new state [B, Hv, dk, dv] fp32)."""
     out_dtype = v.dtype
@@ -81,9 +83,9 @@ def chunk_gated_delta_rule(
     q, k, v = (t.transpose(1, 2) for t in (q, k, v.float()))  # [B, Hv, L, d]
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # [B, Hv, L]
     pad = (-seq_len) % chunk_size
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    # padded even by 0: compiled, a branch on `pad` would specialize the graph on the prompt length
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     num_chunks = (seq_len + pad) // chunk_size
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -102,14 +104,24 @@ def chunk_gated_delta_rule(
     q_decayed = q * cum.exp().unsqueeze(-1)
     k_decayed = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, Hv, n, 1, 1]
-    s = state.float()
+    o, s = _carry_across_chunks(u, w, q_decayed, intra, k_decayed, chunk_decay, state.float())
+    o = o.reshape(num_rows, num_v_heads, -1, v_dim).narrow(2, 0, seq_len)
+    return o.transpose(1, 2).to(out_dtype), s
+
+
+@torch.compiler.disable
+def _carry_across_chunks(u, w, q_decayed, intra, k_decayed, chunk_decay, s):
+    """The short loop that carries S from chunk to chunk -> (o [B, Hv, n, C, dv], final S).
+
+    Eager even inside torch.compile (compile_prefill): unrolled, the loop made one graph per number of chunks and
+    the whole model one graph (CPU, 12 tiny layers: 124 s per new chunk count); broken here, each decoder layer
+    compiles once for all layers and lengths (46 s). It costs a few small eager matmuls per chunk and layer."""
     outs = []
-    for i in range(num_chunks):
+    for i in range(u.shape[2]):
         v_new = u[:, :, i] - w[:, :, i] @ s  # [B, Hv, C, dv]
         outs.append(q_decayed[:, :, i] @ s + intra[:, :, i] @ v_new)
         s = s * chunk_decay[:, :, i] + k_decayed[:, :, i].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).reshape(num_rows, num_v_heads, -1, v_dim)[:, :, :seq_len]
-    return o.transpose(1, 2).to(out_dtype), s
+    return torch.stack(outs, dim=2), s
 
 
 def recurrent_gated_delta_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +164,7 @@ def gated_delta_decode_(q, k, v, g, beta, state_t_cache: torch.Tensor, slots: to
     return out.unsqueeze(1).to(out_dtype)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """The recurrent step for decode batches (static L = 1), the chunked form otherwise."""
     if q.shape[1] == 1:
         return recurrent_gated_delta_step(q, k, v, g, beta, state)

@@ -328,22 +328,28 @@ def test_compiled_decode_step_matches_eager(hybrid_checkpoint):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
-def test_compiled_prefill_matches_eager(hybrid_checkpoint):
-    """compile_prefill on a hybrid: a prompt past the token budget (its 2-token tail runs as a one-row continued
-    chunk, which once failed to lower in inductor) and fresh prompts mixed with a continued chunk give the eager
-    tokens and logprobs."""
+def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(hybrid_checkpoint):
+    """compile_prefill on a hybrid: prompts of one and several 64-token GDN chunks, a prompt past the token budget
+    (its tail runs as a one-row continued chunk, which once failed to lower in inductor) and fresh prompts mixed
+    with a continued chunk give the eager tokens and logprobs, and after warm_up() none of them traces a graph."""
+    from torch._dynamo.utils import counters
+
     path, _ = hybrid_checkpoint("qwen3_5_moe_text")
-    eager = make_engine(path, compile="off")
-    compiled = make_engine(path, compile="on", compile_prefill=True)
+    kw = dict(max_num_batched_tokens=128)  # 2 GDN chunks per step at most
+    eager = make_engine(path, compile="off", **kw)
+    compiled = make_engine(path, compile="on", compile_prefill=True, **kw)
     assert compiled.runner.forward_steps is not compiled.runner.model
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
-    for lens in [(18,), (5, 19, 11)]:
+    compiled.warm_up()
+    graphs_before = counters["stats"]["unique_graphs"]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+    for lens in [(150,), (70,), (5, 19, 11), (100, 3)]:
         prompts = [random_ids(n, seed=n + 1) for n in lens]
         expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
         assert [o.token_ids for o in got] == [o.token_ids for o in expected]
         diffs = [abs(a.logprob - b.logprob) for o, e in zip(got, expected, strict=True)
                  for a, b in zip(o.logprobs, e.logprobs, strict=True)]
         assert max(diffs) < 1e-4
+    assert counters["stats"]["unique_graphs"] == graphs_before
 
 
 def test_state_snapshot_is_published_only_once_its_copy_is_launched():
