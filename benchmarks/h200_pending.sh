@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-5; pending next: kvwrite nographs arrivals), with timeouts that fit what each needs (batch-16
+# The issue-5 measurements on the H200 (sessions 4-5; pending next: kvwrite nographs arrivals qwen36cp), with timeouts that fit what each needs (batch-16
 # compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals, or all)
+#   ssecp llama3 qwen36e2e arrivals qwen36cp, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -88,4 +88,9 @@ if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default 
 fi
 if want arrivals; then  # session 5: how far apart 16 SSE requests reach the engine (the ramp at short streams)
   timeout 240 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 2>&1 | grep '^{' | tee "$out/arrivals.jsonl"
+fi
+if want qwen36cp; then  # session 5: the hybrid's compiled prefill after the per-layer change (cold compile, prefill)
+  timeout 500 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \
+    --engine-option compile_prefill=true --json "$out/qwen36cp.jsonl" > "$out/qwen36cp.txt" 2>&1
+  grep -A2 "^ *B " "$out/qwen36cp.txt" || tail -20 "$out/qwen36cp.txt"
 fi
