@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-5; pending next: kvwrite nographs arrivals qwen36cp), with timeouts that fit what each needs (batch-16
-# compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
+# The issue-5 measurements on the H200 (sessions 4-5; pending next: kvwrite nographs arrivals qwen36cp), with
+# timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals qwen36cp, or all)
