@@ -83,9 +83,9 @@ def chunk_gated_delta_rule(
     q, k, v = (t.transpose(1, 2) for t in (q, k, v.float()))  # [B, Hv, L, d]
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # [B, Hv, L]
     pad = (-seq_len) % chunk_size
-    # padded even by 0: compiled, a branch on `pad` would specialize the graph on the prompt length
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    if pad:  # compiled, this specializes on pad == 0 (as the contiguity checks below do): warm_up covers both
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     num_chunks = (seq_len + pad) // chunk_size
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,7 @@ def chunk_gated_delta_rule(
     k_decayed = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, Hv, n, 1, 1]
     o, s = _carry_across_chunks(u, w, q_decayed, intra, k_decayed, chunk_decay, state.float())
-    o = o.reshape(num_rows, num_v_heads, -1, v_dim).narrow(2, 0, seq_len)
+    o = o.reshape(num_rows, num_v_heads, -1, v_dim)[:, :, :seq_len]
     return o.transpose(1, 2).to(out_dtype), s
 
 
