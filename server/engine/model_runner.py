@@ -71,8 +71,8 @@ class CompiledSteps:
         # attention forms x MoE token-count paths: a few graphs of one forward, within dynamo's limit
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._compiled = torch.compile(model, dynamic=True)
-        # Hybrids specialize size 1: with it size-oblivious, a one-row continued chunk failed to lower in inductor
-        # (the Gated DeltaNet state's rows broadcast against a literal 1; torch 2.13, session 5).
+        # Hybrids specialize size 1: with it size-oblivious, the Gated DeltaNet chunked prefill fails to trace or
+        # lower (a state broadcast, a `[-1:]` slice, solve_triangular's fake strides; torch 2.13, session 5).
         wanted = {"use_duck_shape": False, "backed_size_oblivious": size_oblivious}  # private knobs, where present
         self._shape_config = {k: v for k, v in wanted.items() if hasattr(shape_config, k)}
 
