@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-5; pending next: kvwrite nographs arrivals qwen36cp), with
+# The issue-5 measurements on the H200 (sessions 4-6), with
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals qwen36cp, or all)
+#   ssecp llama3 qwen36e2e arrivals qwen36cp nostatic, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -65,7 +65,7 @@ if want kvwrite; then  # session 5: one KV-write kernel per layer instead of two
   for batch in 1 16; do timeout 120 python3 benchmarks/kv_write.py --batch $batch 2>&1 | grep '^{' | tee -a "$out/kv_write.jsonl"; done
 fi
 if want nographs; then  # the MPS-like mode (no CUDA graphs): does inductor's C++ wrapper
-  for wrapper in 0 1; do  # cut the per-kernel launch cost of the compiled step? (env only, no code change needed)
+  for wrapper in ${NOGRAPHS_WRAPPERS:-0 1}; do  # cut the per-kernel launch cost of the compiled step? (env only, no code change needed)
     TORCHINDUCTOR_CPP_WRAPPER=$wrapper timeout 150 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
       --engine-option cuda_graphs=false --json "$out/nographs-cpp$wrapper.jsonl" > "$out/nographs-cpp$wrapper.txt" 2>&1
     grep -A1 "^ *B " "$out/nographs-cpp$wrapper.txt"
@@ -86,8 +86,15 @@ if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default 
   timeout 400 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \
     --json "$out/qwen36.jsonl" > "$out/qwen36.txt" 2>&1; grep -A2 "^ *B " "$out/qwen36.txt" || tail -20 "$out/qwen36.txt"
 fi
-if want arrivals; then  # session 5: how far apart 16 SSE requests reach the engine (the ramp at short streams)
-  timeout 240 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 2>&1 | grep '^{' | tee "$out/arrivals.jsonl"
+if want arrivals; then  # sessions 5-6: where 16 SSE requests lose time against one generate call (the ramp)
+  timeout 360 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 > "$out/arrivals.txt" 2>&1
+  grep '^{' "$out/arrivals.txt" | cut -c1-900 || tail -5 "$out/arrivals.txt"
+fi
+if want nostatic; then  # session 6: no CUDA graphs went 45% -> 30% after session 4 made the decode sizes symbolic
+  TORCHINDUCTOR_CPP_WRAPPER=0 timeout 170 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
+    --engine-option cuda_graphs=false --engine-option decode_static_shapes=true \
+    --json "$out/nographs-static.jsonl" > "$out/nographs-static.txt" 2>&1
+  grep -A1 "^ *B " "$out/nographs-static.txt" || tail -5 "$out/nographs-static.txt"
 fi
 if want qwen36cp; then  # session 5: the hybrid's compiled prefill after the per-layer change (cold compile, prefill)
   timeout 500 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \

@@ -1,18 +1,20 @@
-"""When do 16 concurrent SSE requests reach the engine? The arrival spread is the ramp that costs the 16-stream
-SSE ratio at short streams (docs/PERF.md, sessions 4-5): the first request starts a step alone while the others
-are still being parsed by the HTTP server, which shares the GIL with the engine thread.
+"""Where do 16 concurrent SSE requests lose time against one Engine.generate call? The ramp that costs the
+16-stream SSE ratio at short streams (docs/PERF.md, sessions 4-5).
 
     PYTHONPATH=. python3 benchmarks/sse_arrivals.py --preset tiny-moe --device cpu [--streams 16] [--reps 3]
 
-Prints, per repetition, the spread from the first to the last `AsyncEngine.submit` and `Engine.add_request`
-(the engine thread admits a submitted request before its next step), and the gaps between submits.
+Per repetition, one JSON line, times in ms from the first request the client sent (time.perf_counter is one
+system-wide monotonic clock, so the client process's times compare with the server's): when the client sent each
+request, when `AsyncEngine.submit` and `Engine.add_request` saw it, and the engine's steps (start, duration,
+sequences and tokens scheduled) over the first `--steps`, then the number of steps and the end. A first line does
+the same for `Engine.generate` of the same prompts in one call: the reference the SSE ratio is taken against.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
-import itertools
 import json
 import multiprocessing
 import sys
@@ -20,17 +22,60 @@ import time
 
 import benchmarks.sse_delivery as sse
 from server.engine.async_engine import AsyncEngine
+from server.engine.types import SamplingParams
 
 
-def record_calls(obj, name: str, times: list[float]) -> None:
-    """Wrap obj.name so that each call appends its time.perf_counter() to times."""
+def record_calls(obj, name: str, times: list) -> None:
+    """Wrap obj.name so that each call appends (start, end, result) in time.perf_counter() seconds."""
     original = getattr(obj, name)
 
     def wrapped(*args, **kwargs):
-        times.append(time.perf_counter())
-        return original(*args, **kwargs)
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        times.append((start, time.perf_counter(), result))
+        return result
 
     setattr(obj, name, wrapped)
+
+
+async def _timed_streams(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    import httpx
+
+    sent, first = [], []
+
+    async def one(client, prompt):
+        body = {"model": sse.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "stream": True}
+        sent.append(time.perf_counter())
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            seen_first = False
+            async for line in response.aiter_lines():
+                if not seen_first and line.startswith("data: "):
+                    first.append(time.perf_counter())  # order-free: shown sorted
+                    seen_first = True
+        return time.perf_counter()
+
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        ends = await asyncio.gather(*(one(client, p) for p in prompts))
+    return {"sent": sent, "first_chunk": first, "end": max(ends)}
+
+
+def timed_streams(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """In the client process: absolute perf_counter times of each send, each first chunk and the last end."""
+    return asyncio.run(_timed_streams(url, prompts, max_tokens))
+
+
+def timeline(origin: float, steps: list, schedules: list, end: float, num_shown: int) -> dict:
+    """Steps as [start ms, duration ms, sequences, tokens] from origin, the first num_shown of them (each step
+    schedules once)."""
+    shown = [[round(1e3 * (s - origin), 2), round(1e3 * (e - s), 2), len(out.chunks), out.num_tokens]
+             for (s, e, _), (_, _, out) in zip(steps[:num_shown], schedules, strict=False)]
+    return {"steps": shown, "num_steps": len(steps), "end_ms": round(1e3 * (end - origin), 2)}
+
+
+def ms_after(origin: float, times: list[float]) -> list[float]:
+    return [round(1e3 * (t - origin), 2) for t in times]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,16 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny-moe")
     parser.add_argument("--device", default="auto", choices=["auto", "mps", "cuda", "cpu"])
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="steps shown per repetition")
+    parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
-    engine_args = sse.parse_args(["--preset", args.preset, "--device", args.device, "--streams", str(args.streams)])
+    options = [arg for option in args.engine_option for arg in ("--engine-option", option)]
+    engine_args = sse.parse_args(["--preset", args.preset, "--device", args.device, "--streams", str(args.streams),
+                                  *options])
     engine = sse.build_engine(engine_args, args.prompt_len + args.max_tokens + 16)
     engine.warm_up()
     prompts = sse.random_prompts(args.streams, args.prompt_len, engine.vocab_size, 1)
+    steps, schedules, submits, adds = [], [], [], []
+    record_calls(engine, "step", steps)
+    record_calls(engine.scheduler, "schedule", schedules)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second is timed: the first compiles what the warm-up did not
+        steps.clear()
+        schedules.clear()
+        start = time.perf_counter()
+        engine.generate(prompts, params)
+        end = time.perf_counter()
+    print(json.dumps({"run": "engine.generate", "device": str(engine.device), "streams": args.streams,
+                      **timeline(start, steps, schedules, end, args.steps)}), flush=True)
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
-    submits, adds = [], []
     record_calls(async_engine, "submit", submits)
     record_calls(engine, "add_request", adds)
     async_engine.start_thread()
@@ -55,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for rep in range(args.reps):
-            submits.clear()
-            adds.clear()
-            client.submit(sse.sse_client, url, prompts, args.max_tokens).result()
-            print(json.dumps({"rep": rep, "device": str(engine.device), "streams": args.streams,
-                              "submit_spread_ms": round(1e3 * (submits[-1] - submits[0]), 2),
-                              "add_spread_ms": round(1e3 * (adds[-1] - adds[0]), 2),
-                              "submit_gaps_ms": [round(1e3 * (b - a), 2) for a, b in itertools.pairwise(submits)]}),
-                  flush=True)
+            for log in (steps, schedules, submits, adds):
+                log.clear()
+            times = client.submit(timed_streams, url, prompts, args.max_tokens).result()
+            origin = min(times["sent"])
+            print(json.dumps({"run": "sse", "rep": rep, "device": str(engine.device), "streams": args.streams,
+                              "sent_ms": ms_after(origin, times["sent"]),
+                              "submit_ms": ms_after(origin, [s for s, _, _ in submits]),
+                              "add_ms": ms_after(origin, [s for s, _, _ in adds]),
+                              "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
+                              **timeline(origin, steps, schedules, times["end"], args.steps)}), flush=True)
     finally:
         client.shutdown()
         server.should_exit = True

@@ -27,6 +27,9 @@ class EngineConfig:
     # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention, CUDA)
     decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
+    # one decode graph per (batch, blocks) bucket instead of symbolic sizes: without CUDA graphs (MPS) the compiled
+    # step's Python wrapper then does no size arithmetic per kernel launch; costs a compile per bucket
+    decode_static_shapes: bool = False
     # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches, no per-op dispatch (H200:
     # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for bf16/fp16 attention-only
     # models; off for hybrids (minutes of cold compile), FP8 and on MPS until measured there

@@ -43,8 +43,9 @@ class DecodeGraphs:
 
     NUM_FIXED = 4  # input id, position, slot, feed row
 
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None):
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None, static_shapes: bool = False):
         self.decode_kernel = decode_kernel
+        self.static_shapes = static_shapes
         self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
         self.num_fixed = self.NUM_FIXED + (state_cache is not None)
         self.model, self.kv_layers, self.device = model, kv_layers, device
@@ -56,9 +57,10 @@ class DecodeGraphs:
         self.last_token_ids = torch.zeros(self.batch_sizes[-1], dtype=torch.int64, device=device)  # [max_num_seqs]
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
-        if decode_kernel == "flex":  # one graph per batch bucket (see _mark_shapes), each within dynamo's limit
+        if decode_kernel == "flex" or static_shapes:  # one graph per bucket (see _mark_shapes), within dynamo's limit
+            num_graphs = len(self.batch_sizes) * (len(self.block_counts) if static_shapes else 1)
             limit = torch._dynamo.config.recompile_limit
-            torch._dynamo.config.recompile_limit = max(limit, len(self.batch_sizes) + 4)
+            torch._dynamo.config.recompile_limit = max(limit, num_graphs + 4)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark
@@ -116,7 +118,11 @@ class DecodeGraphs:
         """Compile for every block-table width at once, and every batch size past 1 at once (torch specializes
         size 1 anyway): two compiles in all instead of one per changed dimension. Except FlexAttention's decoding
         kernel, which needs a static batch size (else torch falls back to its general kernel): with flex each
-        batch bucket compiles once, whatever the context length."""
+        batch bucket compiles once, whatever the context length. `static_shapes`: every bucket compiles once."""
+        if self.static_shapes:
+            torch._dynamo.mark_static(packed, 0)
+            torch._dynamo.mark_static(packed, 1)
+            return
         if self.decode_kernel == "flex":
             torch._dynamo.mark_static(packed, 0)
         else:

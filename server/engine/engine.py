@@ -140,7 +140,7 @@ class Engine:
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(
             self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
-            self.config.decode_attention, state_cache=self.state_cache,
+            self.config.decode_attention, state_cache=self.state_cache, static_shapes=self.config.decode_static_shapes,
         )
 
     def _wants_compiled_prefill(self) -> bool:

@@ -197,16 +197,22 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
 
 
 def test_sse_arrivals_script_times_every_request(capsys):
-    """benchmarks/sse_arrivals.py on the CPU: one submit and one engine admission per stream, spreads measured."""
+    """benchmarks/sse_arrivals.py on the CPU: each stream sent, submitted, admitted and answered once, and the
+    step timelines of the SSE run and of the one-call reference cover the same tokens."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
     import benchmarks.sse_arrivals as module
 
     assert module.main(["--device", "cpu", "--streams", "3", "--max-tokens", "2", "--prompt-len", "8", "--reps", "1"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert len(records) == 1 and records[0]["streams"] == 3
-    assert len(records[0]["submit_gaps_ms"]) == 2 and all(g >= 0 for g in records[0]["submit_gaps_ms"])
-    assert records[0]["add_spread_ms"] >= 0 and records[0]["submit_spread_ms"] >= 0
+    assert [r["run"] for r in records] == ["engine.generate", "sse"]
+    reference, sse = records
+    for key in ("sent_ms", "submit_ms", "add_ms", "first_chunk_ms"):
+        assert len(sse[key]) == 3 and all(t >= 0 for t in sse[key]), key
+    assert sse["sent_ms"][0] == 0 and min(sse["add_ms"]) >= min(sse["submit_ms"])
+    for record in records:  # 3 prompts of 8 tokens, then one decode token each: 27 tokens scheduled in all
+        assert sum(tokens for _, _, _, tokens in record["steps"]) == 3 * 8 + 3
+        assert record["num_steps"] == len(record["steps"]) and record["end_ms"] > record["steps"][-1][0]
 
 
 def test_sse_delivery_script_streams_the_engine_text(tmp_path):
