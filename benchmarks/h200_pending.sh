@@ -87,8 +87,9 @@ if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default 
     --json "$out/qwen36.jsonl" > "$out/qwen36.txt" 2>&1; grep -A2 "^ *B " "$out/qwen36.txt" || tail -20 "$out/qwen36.txt"
 fi
 if want arrivals; then  # sessions 5-6: where 16 SSE requests lose time against one generate call (the ramp)
-  timeout 360 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 > "$out/arrivals.txt" 2>&1
-  grep '^{' "$out/arrivals.txt" | cut -c1-900 || tail -5 "$out/arrivals.txt"
+  TORCH_LOGS=recompiles timeout 430 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 6 --gc-freeze-after 3 \
+    > "$out/arrivals.txt" 2>&1
+  grep '^{' "$out/arrivals.txt" | cut -c1-1500 || tail -5 "$out/arrivals.txt"; grep -c Recompiling "$out/arrivals.txt"
 fi
 if want nostatic; then  # session 6: no CUDA graphs went 45% -> 30% after session 4 made the decode sizes symbolic
   TORCHINDUCTOR_CPP_WRAPPER=0 timeout 170 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import gc
 import json
 import multiprocessing
 import sys
@@ -74,6 +75,45 @@ def timeline(origin: float, steps: list, schedules: list, end: float, num_shown:
     return {"steps": shown, "num_steps": len(steps), "end_ms": round(1e3 * (end - origin), 2)}
 
 
+class ProcessEvents:
+    """What else ran in the server process during a repetition: garbage collections (a full one walks every
+    object the compiled graphs keep), dynamo compiles, and device memory allocations by the caching allocator."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device, self.pauses, self._start = torch, device, [], 0.0
+        gc.callbacks.append(self._on_gc)
+        self.reset()
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._start))
+
+    def _counts(self) -> dict:
+        from torch._dynamo.utils import counters
+
+        counts = {"graphs": counters["stats"]["unique_graphs"]}
+        if self.device.type == "cuda":
+            stats = self.torch.cuda.memory_stats(self.device)
+            counts.update(device_mallocs=stats.get("segment.all.allocated", 0),
+                          alloc_retries=stats.get("num_alloc_retries", 0))
+        return counts
+
+    def reset(self) -> None:
+        self.pauses.clear()
+        self._base = self._counts()
+
+    def summary(self) -> dict:
+        full = [p for g, p in self.pauses if g == 2]
+        now = self._counts()
+        return {"gc_collections": len(self.pauses), "gc_full": len(full), "gc_full_ms": round(1e3 * sum(full), 2),
+                "gc_max_ms": round(1e3 * max((p for _, p in self.pauses), default=0.0), 2),
+                **{f"new_{k}": now[k] - self._base[k] for k in now}}
+
+
 def ms_after(origin: float, times: list[float]) -> list[float]:
     return [round(1e3 * (t - origin), 2) for t in times]
 
@@ -88,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps shown per repetition")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--gc-freeze-after", type=int, default=None, metavar="REPS",
+                        help="gc.freeze() after this many repetitions (what is alive then is never walked again)")
     args = parser.parse_args(argv)
     options = [arg for option in args.engine_option for arg in ("--engine-option", option)]
     engine_args = sse.parse_args(["--preset", args.preset, "--device", args.device, "--streams", str(args.streams),
@@ -99,14 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     record_calls(engine, "step", steps)
     record_calls(engine.scheduler, "schedule", schedules)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    events = ProcessEvents(engine.device)
     for _ in range(2):  # the second is timed: the first compiles what the warm-up did not
         steps.clear()
         schedules.clear()
+        events.reset()
         start = time.perf_counter()
         engine.generate(prompts, params)
         end = time.perf_counter()
     print(json.dumps({"run": "engine.generate", "device": str(engine.device), "streams": args.streams,
-                      **timeline(start, steps, schedules, end, args.steps)}), flush=True)
+                      **timeline(start, steps, schedules, end, args.steps), **events.summary()}), flush=True)
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     record_calls(async_engine, "submit", submits)
     record_calls(engine, "add_request", adds)
@@ -115,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for rep in range(args.reps):
+            if rep == args.gc_freeze_after:
+                gc.collect()
+                gc.freeze()
             for log in (steps, schedules, submits, adds):
                 log.clear()
+            events.reset()
             times = client.submit(timed_streams, url, prompts, args.max_tokens).result()
             origin = min(times["sent"])
             print(json.dumps({"run": "sse", "rep": rep, "device": str(engine.device), "streams": args.streams,
@@ -124,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                               "submit_ms": ms_after(origin, [s for s, _, _ in submits]),
                               "add_ms": ms_after(origin, [s for s, _, _ in adds]),
                               "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
-                              **timeline(origin, steps, schedules, times["end"], args.steps)}), flush=True)
+                              "gc_frozen": gc.get_freeze_count() > 0,
+                              **timeline(origin, steps, schedules, times["end"], args.steps), **events.summary()}),
+                  flush=True)
     finally:
         client.shutdown()
         server.should_exit = True
