@@ -3,7 +3,7 @@
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals qwen36cp nostatic, or all)
+#   ssecp llama3 qwen36e2e arrivals qwen36cp nostatic ssepool, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -90,6 +90,10 @@ if want arrivals; then  # sessions 5-6: where 16 SSE requests lose time against 
   TORCH_LOGS=recompiles timeout 430 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 6 --gc-freeze-after 3 \
     > "$out/arrivals.txt" 2>&1
   grep '^{' "$out/arrivals.txt" | cut -c1-1500 || tail -5 "$out/arrivals.txt"; grep -c Recompiling "$out/arrivals.txt"
+fi
+if want ssepool; then  # session 6: 16 x 128 with the client's connections open before the timed run (pooled)
+  timeout 420 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 3 --open-connections \
+    --json "$out/sse-pool.jsonl" > "$out/sse-pool.txt" 2>&1; grep -v INFO "$out/sse-pool.txt" | tail -4
 fi
 if want nostatic; then  # session 6: no CUDA graphs went 45% -> 30% after session 4 made the decode sizes symbolic
   TORCHINDUCTOR_CPP_WRAPPER=0 timeout 170 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \

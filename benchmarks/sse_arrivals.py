@@ -39,12 +39,12 @@ def record_calls(obj, name: str, times: list) -> None:
     setattr(obj, name, wrapped)
 
 
-async def _timed_streams(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+async def _timed_streams(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool) -> dict:
     import httpx
 
     sent, first = [], []
 
-    async def one(client, prompt):
+    async def one(client, prompt, max_tokens=max_tokens):
         body = {"model": sse.SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True}
         sent.append(time.perf_counter())
@@ -58,13 +58,17 @@ async def _timed_streams(url: str, prompts: list[list[int]], max_tokens: int) ->
         return time.perf_counter()
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
+        if open_first:  # one-token requests first, so the timed ones reuse open connections (as a pooled client)
+            await asyncio.gather(*(one(client, p, 1) for p in prompts))
+            sent.clear()
+            first.clear()
         ends = await asyncio.gather(*(one(client, p) for p in prompts))
     return {"sent": sent, "first_chunk": first, "end": max(ends)}
 
 
-def timed_streams(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+def timed_streams(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool = False) -> dict:
     """In the client process: absolute perf_counter times of each send, each first chunk and the last end."""
-    return asyncio.run(_timed_streams(url, prompts, max_tokens))
+    return asyncio.run(_timed_streams(url, prompts, max_tokens, open_first))
 
 
 def timeline(origin: float, steps: list, schedules: list, end: float, num_shown: int) -> dict:
@@ -128,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps shown per repetition")
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--open-connections", action="store_true",
+                        help="the client opens its 16 connections (one-token requests) before each timed run")
     parser.add_argument("--gc-freeze-after", type=int, default=None, metavar="REPS",
                         help="gc.freeze() after this many repetitions (what is alive then is never walked again)")
     args = parser.parse_args(argv)
@@ -165,14 +171,19 @@ def main(argv: list[str] | None = None) -> int:
             for log in (steps, schedules, submits, adds):
                 log.clear()
             events.reset()
-            times = client.submit(timed_streams, url, prompts, args.max_tokens).result()
+            times = client.submit(timed_streams, url, prompts, args.max_tokens, args.open_connections).result()
             origin = min(times["sent"])
+            for log in (submits, adds):  # the connection-opening requests came before origin
+                log[:] = [record for record in log if record[0] >= origin]
+            kept = [i for i, record in enumerate(steps) if record[0] >= origin]
+            steps[:], schedules[:] = [steps[i] for i in kept], [schedules[i] for i in kept]
             print(json.dumps({"run": "sse", "rep": rep, "device": str(engine.device), "streams": args.streams,
                               "sent_ms": ms_after(origin, times["sent"]),
                               "submit_ms": ms_after(origin, [s for s, _, _ in submits]),
                               "add_ms": ms_after(origin, [s for s, _, _ in adds]),
                               "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
                               "gc_frozen": gc.get_freeze_count() > 0,
+                              "open_connections": args.open_connections,
                               **timeline(origin, steps, schedules, times["end"], args.steps), **events.summary()}),
                   flush=True)
     finally:

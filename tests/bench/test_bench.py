@@ -203,7 +203,8 @@ def test_sse_arrivals_script_times_every_request(capsys):
     pytest.importorskip("httpx")
     import benchmarks.sse_arrivals as module
 
-    assert module.main(["--device", "cpu", "--streams", "3", "--max-tokens", "2", "--prompt-len", "8", "--reps", "1"]) == 0
+    argv = ["--device", "cpu", "--streams", "3", "--max-tokens", "2", "--prompt-len", "8", "--reps", "1", "--open-connections"]
+    assert module.main(argv) == 0
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert [r["run"] for r in records] == ["engine.generate", "sse"]
     reference, sse = records
@@ -215,18 +216,21 @@ def test_sse_arrivals_script_times_every_request(capsys):
         assert record["num_steps"] == len(record["steps"]) and record["end_ms"] > record["steps"][-1][0]
 
 
-def test_sse_delivery_script_streams_the_engine_text(tmp_path):
-    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text."""
+@pytest.mark.parametrize("open_connections", [False, True])
+def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections):
+    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text,
+    with connections opened inside the timed run or before it."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
     import benchmarks.sse_delivery as module  # a package import, so the client process can import it too
     out = tmp_path / "sse.jsonl"
     argv = ["--preset", "tiny-moe", "--device", "cpu", "--streams", "1,3", "--max-tokens", "6", "--prompt-len", "8",
-            "--reps", "1", "--json", str(out)]
+            "--reps", "1", "--json", str(out)] + (["--open-connections"] if open_connections else [])
     assert module.main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["streams"] for r in records] == [1, 3]
     for r in records:
+        assert r["open_connections"] is open_connections
         assert r["all_tokens_delivered"] and r["text_matches_engine"]
         assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
         rates = ("engine_tok_s", "async_tok_s", "sse_tok_s", "engine_steady_tok_s", "sse_steady_tok_s")
