@@ -71,11 +71,14 @@ def timed_streams(url: str, prompts: list[list[int]], max_tokens: int, open_firs
     return asyncio.run(_timed_streams(url, prompts, max_tokens, open_first))
 
 
-def timeline(origin: float, steps: list, schedules: list, end: float, num_shown: int) -> dict:
-    """Steps as [start ms, duration ms, sequences, tokens] from origin, the first num_shown of them (each step
-    schedules once)."""
-    shown = [[round(1e3 * (s - origin), 2), round(1e3 * (e - s), 2), len(out.chunks), out.num_tokens]
-             for (s, e, _), (_, _, out) in zip(steps[:num_shown], schedules, strict=False)]
+def timeline(origin: float, steps: list, schedules: list, launches: list, end: float, num_shown: int) -> dict:
+    """Steps as [start ms, duration ms, sequences, tokens, launch ms] from origin, the first num_shown of them
+    (each step schedules once; its launch is the host's share, the rest mostly waits for the previous step)."""
+    shown = []
+    for (start, stop, _), (_, _, out) in zip(steps[:num_shown], schedules, strict=False):
+        launch = sum(e - s for s, e, _ in launches if start <= s <= stop)
+        shown.append([round(1e3 * (start - origin), 2), round(1e3 * (stop - start), 2), len(out.chunks), out.num_tokens,
+                      round(1e3 * launch, 2)])
     return {"steps": shown, "num_steps": len(steps), "end_ms": round(1e3 * (end - origin), 2)}
 
 
@@ -143,20 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     engine = sse.build_engine(engine_args, args.prompt_len + args.max_tokens + 16)
     engine.warm_up()
     prompts = sse.random_prompts(args.streams, args.prompt_len, engine.vocab_size, 1)
-    steps, schedules, submits, adds = [], [], [], []
+    steps, schedules, launches, submits, adds = [], [], [], [], []
     record_calls(engine, "step", steps)
     record_calls(engine.scheduler, "schedule", schedules)
+    record_calls(engine.runner, "launch", launches)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     events = ProcessEvents(engine.device)
     for _ in range(2):  # the second is timed: the first compiles what the warm-up did not
-        steps.clear()
-        schedules.clear()
+        for log in (steps, schedules, launches):
+            log.clear()
         events.reset()
         start = time.perf_counter()
         engine.generate(prompts, params)
         end = time.perf_counter()
     print(json.dumps({"run": "engine.generate", "device": str(engine.device), "streams": args.streams,
-                      **timeline(start, steps, schedules, end, args.steps), **events.summary()}), flush=True)
+                      **timeline(start, steps, schedules, launches, end, args.steps), **events.summary()}), flush=True)
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     record_calls(async_engine, "submit", submits)
     record_calls(engine, "add_request", adds)
@@ -168,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             if rep == args.gc_freeze_after:
                 gc.collect()
                 gc.freeze()
-            for log in (steps, schedules, submits, adds):
+            for log in (steps, schedules, launches, submits, adds):
                 log.clear()
             events.reset()
             times = client.submit(timed_streams, url, prompts, args.max_tokens, args.open_connections).result()
             origin = min(times["sent"])
-            for log in (submits, adds):  # the connection-opening requests came before origin
+            for log in (submits, adds, launches):  # the connection-opening requests came before origin
                 log[:] = [record for record in log if record[0] >= origin]
             kept = [i for i, record in enumerate(steps) if record[0] >= origin]
             steps[:], schedules[:] = [steps[i] for i in kept], [schedules[i] for i in kept]
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                               "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
                               "gc_frozen": gc.get_freeze_count() > 0,
                               "open_connections": args.open_connections,
-                              **timeline(origin, steps, schedules, times["end"], args.steps), **events.summary()}),
+                              **timeline(origin, steps, schedules, launches, times["end"], args.steps), **events.summary()}),
                   flush=True)
     finally:
         client.shutdown()

@@ -212,7 +212,7 @@ def test_sse_arrivals_script_times_every_request(capsys):
         assert len(sse[key]) == 3 and all(t >= 0 for t in sse[key]), key
     assert sse["sent_ms"][0] == 0 and min(sse["add_ms"]) >= min(sse["submit_ms"])
     for record in records:  # 3 prompts of 8 tokens, then one decode token each: 27 tokens scheduled in all
-        assert sum(tokens for _, _, _, tokens in record["steps"]) == 3 * 8 + 3
+        assert sum(tokens for _, _, _, tokens, _ in record["steps"]) == 3 * 8 + 3
         assert record["num_steps"] == len(record["steps"]) and record["end_ms"] > record["steps"][-1][0]
 
 
