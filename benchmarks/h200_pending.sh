@@ -3,7 +3,7 @@
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals qwen36cp nostatic ssepool, or all)
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -87,9 +87,15 @@ if want qwen36e2e; then  # session 5: S^T GDN state + compiled prefill (default 
     --json "$out/qwen36.jsonl" > "$out/qwen36.txt" 2>&1; grep -A2 "^ *B " "$out/qwen36.txt" || tail -20 "$out/qwen36.txt"
 fi
 if want arrivals; then  # sessions 5-6: where 16 SSE requests lose time against one generate call (the ramp)
-  TORCH_LOGS=recompiles timeout 430 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 6 --gc-freeze-after 3 \
+  # session 6: warm-up and reference on the engine thread (as serve now does), pooled connections
+  timeout 400 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 4 --open-connections \
     > "$out/arrivals.txt" 2>&1
-  grep '^{' "$out/arrivals.txt" | cut -c1-1500 || tail -5 "$out/arrivals.txt"; grep -c Recompiling "$out/arrivals.txt"
+  grep '^{' "$out/arrivals.txt" | cut -c1-1500 || tail -5 "$out/arrivals.txt"
+fi
+if want arrivalsmain; then  # the same with warm-up and reference on the main thread (before session 6): the A/B
+  timeout 400 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 4 --open-connections --main-thread \
+    > "$out/arrivals-main.txt" 2>&1
+  grep '^{' "$out/arrivals-main.txt" | cut -c1-1500 || tail -5 "$out/arrivals-main.txt"
 fi
 if want ssepool; then  # session 6: 16 x 128 with the client's connections open before the timed run (pooled)
   timeout 420 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 3 --open-connections \

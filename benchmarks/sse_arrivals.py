@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--open-connections", action="store_true",
                         help="the client opens its 16 connections (one-token requests) before each timed run")
+    parser.add_argument("--main-thread", action="store_true",
+                        help="warm up and run the reference on the main thread (not the engine thread)")
     parser.add_argument("--gc-freeze-after", type=int, default=None, metavar="REPS",
                         help="gc.freeze() after this many repetitions (what is alive then is never walked again)")
     args = parser.parse_args(argv)
@@ -144,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = sse.parse_args(["--preset", args.preset, "--device", args.device, "--streams", str(args.streams),
                                   *options])
     engine = sse.build_engine(engine_args, args.prompt_len + args.max_tokens + 16)
-    engine.warm_up()
+    async_engine = AsyncEngine(engine, max_waiting_requests=4096)
+    # serve warms up on the engine thread (AsyncEngine.warm_up); --main-thread does it and the reference on the
+    # main thread, as up to session 6: the A/B for per-thread device state
+    on_thread = (lambda function: function()) if args.main_thread else async_engine.call
+    on_thread(engine.warm_up)
     prompts = sse.random_prompts(args.streams, args.prompt_len, engine.vocab_size, 1)
     steps, schedules, launches, submits, adds = [], [], [], [], []
     record_calls(engine, "step", steps)
@@ -152,16 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     record_calls(engine.runner, "launch", launches)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     events = ProcessEvents(engine.device)
-    for _ in range(2):  # the second is timed: the first compiles what the warm-up did not
+    def reference() -> tuple[float, float]:
         for log in (steps, schedules, launches):
             log.clear()
         events.reset()
         start = time.perf_counter()
         engine.generate(prompts, params)
-        end = time.perf_counter()
+        return start, time.perf_counter()
+
+    on_thread(reference)  # the second is timed: the first compiles what the warm-up did not
+    start, end = on_thread(reference)
     print(json.dumps({"run": "engine.generate", "device": str(engine.device), "streams": args.streams,
+                      "main_thread": args.main_thread,
                       **timeline(start, steps, schedules, launches, end, args.steps), **events.summary()}), flush=True)
-    async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     record_calls(async_engine, "submit", submits)
     record_calls(engine, "add_request", adds)
     async_engine.start_thread()

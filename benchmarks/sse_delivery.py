@@ -187,19 +187,21 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     max_len = args.prompt_len + args.max_tokens + 16
     engine = build_engine(args, max_len)
-    engine.warm_up()  # as `serve` does before /health turns ready
+    # Everything runs on the engine thread, as in `serve` (warm-up before /health turns ready): per-thread
+    # device state then serves the reference runs and the streams alike.
+    async_engine = AsyncEngine(engine, max_waiting_requests=4096)
+    async_engine.warm_up()
     batches = {n: random_prompts(n, args.prompt_len, engine.vocab_size, args.seed + n) for n in args.streams}
     results = {n: {"streams": n} for n in args.streams}
     lengths = (args.max_tokens // 2, args.max_tokens)
     texts, engine_s = {}, {}
     for n, prompts in batches.items():
-        short_s, _ = engine_seconds(engine, prompts, lengths[0], args.reps)
-        long_s, texts[n] = engine_seconds(engine, prompts, lengths[1], args.reps)
+        short_s, _ = async_engine.call(lambda p=prompts: engine_seconds(engine, p, lengths[0], args.reps))
+        long_s, texts[n] = async_engine.call(lambda p=prompts: engine_seconds(engine, p, lengths[1], args.reps))
         engine_s[n] = (short_s, long_s)
         results[n]["engine_tok_s"] = n * lengths[1] / long_s
         results[n]["engine_steady_tok_s"] = steady_rate(n, lengths, engine_s[n])
         print(f"engine N={n}: {results[n]['engine_tok_s']:.1f} tok/s", file=sys.stderr)
-    async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     for n, prompts in batches.items():
         results[n]["async_tok_s"] = async_rate(async_engine, prompts, args.max_tokens, args.reps)
     server, thread, url = start_server(async_engine)
@@ -210,8 +212,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     def best_sse(prompts: list[list[int]], num_new: int) -> tuple[float, list[dict]]:
         client.submit(sse_client, url, prompts, num_new).result()  # warm-up: connections, staggered buckets
         runs = (client.submit(sse_client, url, prompts, num_new, args.open_connections).result() for _ in range(args.reps))
-        return min(runs,
-                   key=lambda r: r[0])
+        return min(runs, key=lambda r: r[0])
 
     try:
         for n, prompts in batches.items():

@@ -140,7 +140,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def build_engine() -> AsyncEngine:
         engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
         if config.server.warmup:
-            engine.engine.warm_up()
+            engine.warm_up()  # on the engine thread, which serves
         return engine
 
     return run_server(config, build_engine)

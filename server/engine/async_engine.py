@@ -8,6 +8,7 @@ handling never waits on the device, and an abort lands before the next step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import sys
@@ -142,6 +143,20 @@ class AsyncEngine:
         self._wakeup.set()
         return handle
 
+    def warm_up(self) -> float:
+        """Engine.warm_up on the engine thread, which then serves: per-thread device state (e.g. the BLAS handle
+        each thread gets) is then warm on the thread that needs it. Returns its seconds."""
+        return self.call(self.engine.warm_up)
+
+    def call(self, function: Callable[[], Any]) -> Any:
+        """Run `function()` on the engine thread between steps, block until it is done; its result or error.
+        For work that needs the Engine to itself (warm-up, a benchmark's reference run): only while idle."""
+        self.start_thread()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", (function, done)))
+        self._wakeup.set()
+        return done.result()
+
     async def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         handle = self.submit(prompt, params, request_id)
         try:
@@ -208,6 +223,12 @@ class AsyncEngine:
                 except ValueError as exc:  # e.g. a request id already in use: fail this request, not the loop
                     self._handles.pop(value.request_id, None)
                     handle._push(InvalidRequestError(str(exc), param="request_id"))
+            elif kind == "call":  # a function to run on this thread (warm-up), its result to a Future
+                function, done = value
+                try:
+                    done.set_result(function())
+                except Exception as exc:
+                    done.set_exception(exc)
             elif kind == "abort":
                 delta = self.engine.abort(value)
                 self._handles.pop(value, None)

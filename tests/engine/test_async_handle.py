@@ -67,3 +67,41 @@ def test_abort_in_push_mode_tells_the_engine_and_ends_the_stream_once():
     got, owner = asyncio.run(run())
     assert [d.finish_reason if d is not None else None for d in got] == [None, "abort", None]
     assert owner._commands.get_nowait() == ("abort", "r1") and owner._commands.empty()
+
+
+class _WarmUpEngine:
+    """Just what the engine loop touches while idle, and a warm_up that records its thread."""
+
+    model_name, max_model_len, has_unfinished = "fake", 16, False
+
+    def __init__(self, error: Exception | None = None):
+        self.error, self.threads = error, []
+
+    def stats(self):
+        from server.engine.types import EngineStats
+
+        return EngineStats()
+
+    def warm_up(self) -> float:
+        self.threads.append(threading.current_thread().name)
+        if self.error is not None:
+            raise self.error
+        return 1.5
+
+
+def test_warm_up_runs_on_the_engine_thread_and_reports_its_result_or_error():
+    import pytest
+
+    from server.engine.async_engine import AsyncEngine
+
+    engine = _WarmUpEngine()
+    async_engine = AsyncEngine(engine)
+    try:
+        assert async_engine.warm_up() == 1.5
+        assert engine.threads == ["mps-serve-engine"]  # the thread that goes on to serve
+        engine.error = RuntimeError("compile failed")
+        with pytest.raises(RuntimeError, match="compile failed"):
+            async_engine.warm_up()
+        assert async_engine.is_ready  # the loop survived the failure
+    finally:
+        asyncio.run(async_engine.shutdown())
