@@ -27,8 +27,9 @@ class EngineConfig:
     # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention, CUDA)
     decode_attention: str = "sdpa"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
-    # one decode graph per (batch, blocks) bucket instead of symbolic sizes: without CUDA graphs (MPS) the compiled
-    # step's Python wrapper then does no size arithmetic per kernel launch; costs a compile per bucket
+    # one decode graph per (batch, blocks) bucket instead of symbolic sizes (a compile per bucket, only the first
+    # block bucket warmed up). An A/B knob for the no-graph mode (MPS-like): H200 session 6, static 49.5% of roofline
+    # vs 30.1% symbolic in another call, but equal (1.04 vs 1.03 ms) with 2 layers in one call: unsettled
     decode_static_shapes: bool = False
     # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches, no per-op dispatch (H200:
     # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for bf16/fp16 attention-only
