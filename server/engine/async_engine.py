@@ -151,11 +151,20 @@ class AsyncEngine:
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function()` on the engine thread between steps, block until it is done; its result or error.
         For work that needs the Engine to itself (warm-up, a benchmark's reference run): only while idle."""
+        if threading.current_thread() is self._thread:
+            return function()
+        if self._stopping.is_set():
+            raise EngineError("the engine is shutting down")
         self.start_thread()
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("call", (function, done)))
         self._wakeup.set()
-        return done.result()
+        while True:  # the thread can end (shutdown) with the call still queued: do not wait for it forever
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    raise EngineError("the engine thread ended before running the call") from None
 
     async def stream(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         handle = self.submit(prompt, params, request_id)

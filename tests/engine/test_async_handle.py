@@ -103,5 +103,8 @@ def test_warm_up_runs_on_the_engine_thread_and_reports_its_result_or_error():
         with pytest.raises(RuntimeError, match="compile failed"):
             async_engine.warm_up()
         assert async_engine.is_ready  # the loop survived the failure
+        assert async_engine.call(lambda: async_engine.call(threading.current_thread)).name == "mps-serve-engine"
     finally:
         asyncio.run(async_engine.shutdown())
+    with pytest.raises(EngineError, match="shutting down"):
+        async_engine.call(lambda: 1)

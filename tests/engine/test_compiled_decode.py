@@ -41,6 +41,22 @@ def test_compiled_decode_matches_eager(arch, decode_attention, tiny_checkpoint):
         assert abs(a.logprob - b.logprob) < 1e-4 and [t.token_id for t in a.top] == [t.token_id for t in b.top]
 
 
+def test_static_decode_shapes_compile_each_bucket_and_match_eager(tiny_checkpoint):
+    """decode_static_shapes (the no-graph A/B knob): one graph per (batch, blocks) bucket, the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_static_shapes=True)
+    prompts = [random_ids(n, n + 7) for n in (10, 3)]  # batch 2; the longer one crosses 16 tokens (4 blocks of 4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    seen = compiled.runner.decode_graphs._seen
+    assert seen == {(2, 4), (2, 8)}
+    assert counters["stats"]["unique_graphs"] - graphs_before == len(seen)  # symbolic sizes would share one graph
+
+
 @pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"),
                                            ("flex", "cannot run on cpu with torch .*; use 'sdpa'")])
 def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
