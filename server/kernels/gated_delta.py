@@ -87,6 +87,9 @@ def chunk_gated_delta_rule(
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
         g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
     num_chunks = (seq_len + pad) // chunk_size
+    if num_chunks == 1:  # compiled: one chunk or several is decided here, by a dynamo guard. Left to inductor
+        num_chunks = 1  # (one graph, specialized to 1 on a one-chunk first call), an FX-graph-cache hit in a new
+        # process did not bring that guard back (torch 2.13): a warm restart ran the one-chunk code on two chunks
 
     def chunked(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(num_rows, num_v_heads, num_chunks, chunk_size, *t.shape[3:])
