@@ -125,7 +125,7 @@ def ms_after(origin: float, times: list[float]) -> list[float]:
     return [round(1e3 * (t - origin), 2) for t in times]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny-moe")
     parser.add_argument("--device", default="auto", choices=["auto", "mps", "cuda", "cpu"])
@@ -141,7 +141,50 @@ def main(argv: list[str] | None = None) -> int:
                         help="warm up and run the reference on the main thread (not the engine thread)")
     parser.add_argument("--gc-freeze-after", type=int, default=None, metavar="REPS",
                         help="gc.freeze() after this many repetitions (what is alive then is never walked again)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+class Recorder:
+    """The engine's calls, timed: steps, their schedules and launches, submits and admissions."""
+
+    def __init__(self, engine, async_engine):
+        self.steps, self.schedules, self.launches, self.submits, self.adds = [], [], [], [], []
+        record_calls(engine, "step", self.steps)
+        record_calls(engine.scheduler, "schedule", self.schedules)
+        record_calls(engine.runner, "launch", self.launches)
+        record_calls(async_engine, "submit", self.submits)
+        record_calls(engine, "add_request", self.adds)
+        self.events = ProcessEvents(engine.device)
+
+    def reset(self) -> None:
+        for log in (self.steps, self.schedules, self.launches, self.submits, self.adds):
+            log.clear()
+        self.events.reset()
+
+    def drop_before(self, origin: float) -> None:
+        """Forget what came before origin (the connection-opening requests); schedules pair with steps."""
+        for log in (self.submits, self.adds, self.launches):
+            log[:] = [record for record in log if record[0] >= origin]
+        kept = [i for i, record in enumerate(self.steps) if record[0] >= origin]
+        self.steps[:], self.schedules[:] = [self.steps[i] for i in kept], [self.schedules[i] for i in kept]
+
+    def summary(self, origin: float, end: float, num_shown: int) -> dict:
+        return {**timeline(origin, self.steps, self.schedules, self.launches, end, num_shown), **self.events.summary()}
+
+
+def sse_record(rep: int, times: dict, recorder: Recorder, args: argparse.Namespace) -> dict:
+    origin = min(times["sent"])
+    recorder.drop_before(origin)
+    return {"run": "sse", "rep": rep, "streams": args.streams, "sent_ms": ms_after(origin, times["sent"]),
+            "submit_ms": ms_after(origin, [s for s, _, _ in recorder.submits]),
+            "add_ms": ms_after(origin, [s for s, _, _ in recorder.adds]),
+            "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
+            "gc_frozen": gc.get_freeze_count() > 0, "open_connections": args.open_connections,
+            **recorder.summary(origin, times["end"], args.steps)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     options = [arg for option in args.engine_option for arg in ("--engine-option", option)]
     engine_args = sse.parse_args(["--preset", args.preset, "--device", args.device, "--streams", str(args.streams),
                                   *options])
@@ -152,16 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     on_thread = (lambda function: function()) if args.main_thread else async_engine.call
     on_thread(engine.warm_up)
     prompts = sse.random_prompts(args.streams, args.prompt_len, engine.vocab_size, 1)
-    steps, schedules, launches, submits, adds = [], [], [], [], []
-    record_calls(engine, "step", steps)
-    record_calls(engine.scheduler, "schedule", schedules)
-    record_calls(engine.runner, "launch", launches)
+    recorder = Recorder(engine, async_engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    events = ProcessEvents(engine.device)
+
     def reference() -> tuple[float, float]:
-        for log in (steps, schedules, launches):
-            log.clear()
-        events.reset()
+        recorder.reset()
         start = time.perf_counter()
         engine.generate(prompts, params)
         return start, time.perf_counter()
@@ -169,10 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     on_thread(reference)  # the second is timed: the first compiles what the warm-up did not
     start, end = on_thread(reference)
     print(json.dumps({"run": "engine.generate", "device": str(engine.device), "streams": args.streams,
-                      "main_thread": args.main_thread,
-                      **timeline(start, steps, schedules, launches, end, args.steps), **events.summary()}), flush=True)
-    record_calls(async_engine, "submit", submits)
-    record_calls(engine, "add_request", adds)
+                      "main_thread": args.main_thread, **recorder.summary(start, end, args.steps)}), flush=True)
     async_engine.start_thread()
     server, thread, url = sse.start_server(async_engine)
     client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -181,24 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             if rep == args.gc_freeze_after:
                 gc.collect()
                 gc.freeze()
-            for log in (steps, schedules, launches, submits, adds):
-                log.clear()
-            events.reset()
+            recorder.reset()
             times = client.submit(timed_streams, url, prompts, args.max_tokens, args.open_connections).result()
-            origin = min(times["sent"])
-            for log in (submits, adds, launches):  # the connection-opening requests came before origin
-                log[:] = [record for record in log if record[0] >= origin]
-            kept = [i for i, record in enumerate(steps) if record[0] >= origin]
-            steps[:], schedules[:] = [steps[i] for i in kept], [schedules[i] for i in kept]
-            print(json.dumps({"run": "sse", "rep": rep, "device": str(engine.device), "streams": args.streams,
-                              "sent_ms": ms_after(origin, times["sent"]),
-                              "submit_ms": ms_after(origin, [s for s, _, _ in submits]),
-                              "add_ms": ms_after(origin, [s for s, _, _ in adds]),
-                              "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
-                              "gc_frozen": gc.get_freeze_count() > 0,
-                              "open_connections": args.open_connections,
-                              **timeline(origin, steps, schedules, launches, times["end"], args.steps), **events.summary()}),
-                  flush=True)
+            print(json.dumps({**sse_record(rep, times, recorder, args), "device": str(engine.device)}), flush=True)
     finally:
         client.shutdown()
         server.should_exit = True
