@@ -119,15 +119,9 @@ class DecodeGraphs:
         size 1 anyway): two compiles in all instead of one per changed dimension. Except FlexAttention's decoding
         kernel, which needs a static batch size (else torch falls back to its general kernel): with flex each
         batch bucket compiles once, whatever the context length. `static_shapes`: every bucket compiles once."""
-        if self.static_shapes:
-            torch._dynamo.mark_static(packed, 0)
-            torch._dynamo.mark_static(packed, 1)
-            return
-        if self.decode_kernel == "flex":
-            torch._dynamo.mark_static(packed, 0)
-        else:
-            torch._dynamo.maybe_mark_dynamic(packed, 0)
-        torch._dynamo.maybe_mark_dynamic(packed, 1)
+        static_batch = self.static_shapes or self.decode_kernel == "flex"
+        (torch._dynamo.mark_static if static_batch else torch._dynamo.maybe_mark_dynamic)(packed, 0)
+        (torch._dynamo.mark_static if self.static_shapes else torch._dynamo.maybe_mark_dynamic)(packed, 1)
 
     def _capture(self, key, packed_host: torch.Tensor) -> None:
         start = time.perf_counter()

@@ -7,6 +7,8 @@ import queue
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from server.engine.async_engine import _Handle, _put_all
 from server.engine.types import EngineError, StreamDelta
 
@@ -90,8 +92,6 @@ class _WarmUpEngine:
 
 
 def test_warm_up_runs_on_the_engine_thread_and_reports_its_result_or_error():
-    import pytest
-
     from server.engine.async_engine import AsyncEngine
 
     engine = _WarmUpEngine()
