@@ -22,6 +22,7 @@ import sys
 import time
 
 import benchmarks.sse_delivery as sse
+from server.cli import freeze_startup_objects
 from server.engine.async_engine import AsyncEngine
 from server.engine.types import SamplingParams
 
@@ -139,8 +140,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the client opens its 16 connections (one-token requests) before each timed run")
     parser.add_argument("--main-thread", action="store_true",
                         help="warm up and run the reference on the main thread (not the engine thread)")
-    parser.add_argument("--gc-freeze-after", type=int, default=None, metavar="REPS",
-                        help="gc.freeze() after this many repetitions (what is alive then is never walked again)")
+    parser.add_argument("--no-gc-freeze", action="store_true",
+                        help="leave start-up objects to the cyclic GC (serve freezes them after its warm-up)")
     return parser.parse_args(argv)
 
 
@@ -179,7 +180,7 @@ def sse_record(rep: int, times: dict, recorder: Recorder, args: argparse.Namespa
             "submit_ms": ms_after(origin, [s for s, _, _ in recorder.submits]),
             "add_ms": ms_after(origin, [s for s, _, _ in recorder.adds]),
             "first_chunk_ms": ms_after(origin, sorted(times["first_chunk"])),
-            "gc_frozen": gc.get_freeze_count() > 0, "open_connections": args.open_connections,
+            "gc_frozen_objects": gc.get_freeze_count(), "open_connections": args.open_connections,
             **recorder.summary(origin, times["end"], args.steps)}
 
 
@@ -191,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     engine = sse.build_engine(engine_args, args.prompt_len + args.max_tokens + 16)
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     # serve warms up on the engine thread (AsyncEngine.warm_up); --main-thread does it and the reference on the
-    # main thread, as up to session 6: the A/B for per-thread device state
+    # main thread, as up to session 6 (the A/B for per-thread device state: no difference, session 7)
     on_thread = (lambda function: function()) if args.main_thread else async_engine.call
     on_thread(engine.warm_up)
+    if not args.no_gc_freeze:
+        freeze_startup_objects()
     prompts = sse.random_prompts(args.streams, args.prompt_len, engine.vocab_size, 1)
     recorder = Recorder(engine, async_engine)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -213,9 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         for rep in range(args.reps):
-            if rep == args.gc_freeze_after:
-                gc.collect()
-                gc.freeze()
             recorder.reset()
             times = client.submit(timed_streams, url, prompts, args.max_tokens, args.open_connections).result()
             print(json.dumps({**sse_record(rep, times, recorder, args), "device": str(engine.device)}), flush=True)

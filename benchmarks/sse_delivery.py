@@ -39,6 +39,7 @@ from server.bench.measure import synchronize
 from server.bench.options import engine_option
 from server.bench.presets import load_preset
 from server.bench.run import device_name, random_prompts
+from server.cli import freeze_startup_objects
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.types import SamplingParams
@@ -187,10 +188,11 @@ def run(args: argparse.Namespace) -> list[dict]:
 
     max_len = args.prompt_len + args.max_tokens + 16
     engine = build_engine(args, max_len)
-    # Everything runs on the engine thread, as in `serve` (warm-up before /health turns ready): per-thread
-    # device state then serves the reference runs and the streams alike.
+    # Everything runs on the engine thread, as in `serve` (warm-up before /health turns ready), and what start-up
+    # left alive is frozen for the GC, as serve does.
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
     async_engine.warm_up()
+    freeze_startup_objects()
     batches = {n: random_prompts(n, args.prompt_len, engine.vocab_size, args.seed + n) for n in args.streams}
     results = {n: {"streams": n} for n in args.streams}
     lengths = (args.max_tokens // 2, args.max_tokens)

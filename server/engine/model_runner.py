@@ -11,6 +11,7 @@ from torch import nn
 from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
+from server.kernels.paged_attention import prefill_sdpa_backends
 from server.kernels.streams import DeviceStreams, PendingCopy
 from server.models.base import AttentionMetadata
 
@@ -129,7 +130,8 @@ class ModelRunner:
         else:
             input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
             self._feed_pending(input_ids, pending, prev)
-            hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
+            with prefill_sdpa_backends(self.device):
+                hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
             step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
             logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:

@@ -12,8 +12,11 @@ sequence's blocks and runs SDPA with a boolean mask.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from server.kernels.flex_decode import flex_decode_attention
 
@@ -27,6 +30,16 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
     v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
+
+
+def prefill_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends for prefill and mixed steps, around a whole forward. Their shapes are new at almost
+    every step (prompt lengths vary), and cuDNN attention builds a plan per new shape: on the H200 (torch 2.11)
+    its first call on a fresh shape took 45-75 ms, flash and memory-efficient attention 0.1-1.3 ms, and they
+    were faster on repeats too (benchmarks/sdpa_shapes.py, docs/PERF.md session 7). So cuDNN is left out."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def paged_attention(

@@ -7,7 +7,7 @@ import torch
 
 from server.kernels import flex_decode
 from server.kernels.flex_decode import decode_block_mask
-from server.kernels.paged_attention import paged_attention, paged_decode_attention, write_kv
+from server.kernels.paged_attention import paged_attention, paged_decode_attention, prefill_sdpa_backends, write_kv
 from server.models.base import AttentionMetadata
 
 
@@ -124,3 +124,17 @@ def test_flex_probe_accepts_a_right_kernel_and_names_a_wrong_or_failing_one(monk
 
     monkeypatch.setattr(flex_decode, "flex_decode_attention", broken)
     assert probe("cpu", torch.bfloat16, 16) == (False, "compiling it failed: RuntimeError: no kernel for this mask")
+
+
+def test_prefill_leaves_cudnn_attention_out_on_cuda_only():
+    """cuDNN attention plans every new shape (45-75 ms each on the H200) and prefill shapes are new at almost every
+    step: on CUDA the prefill context enables flash, memory-efficient and math, and restores the flags after."""
+    flags = torch.backends.cuda
+    before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
+    with prefill_sdpa_backends(torch.device("cuda")):
+        assert not flags.cudnn_sdp_enabled()
+        assert flags.flash_sdp_enabled() and flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()
+    assert (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled()) == before
+    with prefill_sdpa_backends(torch.device("cpu")):
+        assert flags.cudnn_sdp_enabled() == before[0]  # other devices: untouched
+

@@ -1,0 +1,31 @@
+"""The model runner's step paths: what surrounds the forward of prefill and mixed steps."""
+
+from __future__ import annotations
+
+import contextlib
+
+from server.engine import model_runner
+from server.engine.engine import Engine
+from server.engine.types import SamplingParams
+from tests.models.test_parity import ENGINE_KW, random_ids
+
+
+def test_the_runner_runs_prefill_and_mixed_steps_in_the_prefill_context(tiny_checkpoint, monkeypatch):
+    """Every forward outside the compiled decode step runs inside prefill_sdpa_backends(the engine's device)."""
+    engine = Engine.from_pretrained(str(tiny_checkpoint("llama")[0]), **ENGINE_KW)
+    entered, forwards = [], []
+
+    @contextlib.contextmanager
+    def recording(device):
+        entered.append(device)
+        yield
+        entered.append(None)
+
+    def forward(*args):
+        forwards.append(len(entered) % 2 == 1)  # inside an open context
+        return engine.model(*args)
+
+    monkeypatch.setattr(model_runner, "prefill_sdpa_backends", recording)
+    engine.runner.forward_steps = forward
+    engine.generate([random_ids(9, 1), random_ids(30, 2)], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert forwards and all(forwards) and entered[0] == engine.device
