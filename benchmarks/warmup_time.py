@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor   # cold
     PYTHONPATH=. python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor   # warm
 
-The second run finds inductor's on-disk caches, as a restart of the server finds ~/.cache/mps-serve/inductor-2
+The second run finds inductor's on-disk caches, as a restart of the server finds ~/.cache/mps-serve/inductor-3
 (the directory `mps-serve` sets as TORCHINDUCTOR_CACHE_DIR). Random weights, the serve defaults (16 sequences).
 Prints one JSON line.
 """

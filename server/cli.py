@@ -168,9 +168,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Compiled decode graphs persist in the user cache (not /tmp), so a restart skips most of the compile.
-    # "-2": artifacts cached before session 6 hold a hybrid prefill graph that a warm restart could misuse (see
-    # gated_delta.chunk_gated_delta_rule); a new directory never reads them.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-2"))
+    # A new directory whenever old artifacts must not be read: "-2", a hybrid prefill graph a warm restart could
+    # misuse (gated_delta.chunk_gated_delta_rule); "-3", prefill graphs with cuDNN attention baked in (the caches'
+    # keys miss the SDPA backend flags that paged_attention.prefill_sdpa_backends sets).
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench}
     try:
