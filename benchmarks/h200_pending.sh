@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-6), with
+# The issue-5 measurements on the H200 (sessions 4-7), with
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool, or all)
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -111,4 +111,15 @@ if want qwen36cp; then  # session 5: the hybrid's compiled prefill after the per
   timeout 500 python3 -m server bench --preset qwen3.6-35b-a3b --batch-sizes 1 --reps 1 --decode-tokens 64 \
     --engine-option compile_prefill=true --json "$out/qwen36cp.jsonl" > "$out/qwen36cp.txt" 2>&1
   grep -A2 "^ *B " "$out/qwen36cp.txt" || tail -20 "$out/qwen36cp.txt"
+fi
+if want sdpa; then  # session 7: the first call of SDPA / a linear on a new shape, per backend (cuDNN plans each)
+  timeout 120 python3 benchmarks/sdpa_shapes.py 2>&1 | grep '^{' | tee "$out/sdpa_shapes.jsonl"
+fi
+if want nographsattn; then  # session 7: the no-graph decode graph has symbolic sizes, so SDPA's backend meets new
+  for kind in sdpa reduce flex; do  # shapes at run time (cuDNN: a plan each); reduce and flex do not use SDPA
+    TORCHINDUCTOR_CPP_WRAPPER=0 timeout 150 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
+      --engine-option cuda_graphs=false --engine-option decode_attention=$kind \
+      --json "$out/nographs-$kind.jsonl" > "$out/nographs-$kind.txt" 2>&1
+    grep -A1 "^ *B " "$out/nographs-$kind.txt" || tail -5 "$out/nographs-$kind.txt"
+  done
 fi

@@ -73,14 +73,17 @@ def timed_streams(url: str, prompts: list[list[int]], max_tokens: int, open_firs
 
 
 def timeline(origin: float, steps: list, schedules: list, launches: list, end: float, num_shown: int) -> dict:
-    """Steps as [start ms, duration ms, sequences, tokens, launch ms] from origin, the first num_shown of them
-    (each step schedules once; its launch is the host's share, the rest mostly waits for the previous step)."""
-    shown = []
-    for (start, stop, _), (_, _, out) in zip(steps[:num_shown], schedules, strict=False):
+    """Steps as [start ms, duration ms, sequences, tokens, launch ms] from origin, the first num_shown of them,
+    and the five slowest of all with their index in front (each step schedules once; its launch is the host's
+    share, the rest mostly waits for the previous step)."""
+    rows = []
+    for (start, stop, _), (_, _, out) in zip(steps, schedules, strict=False):
         launch = sum(e - s for s, e, _ in launches if start <= s <= stop)
-        shown.append([round(1e3 * (start - origin), 2), round(1e3 * (stop - start), 2), len(out.chunks), out.num_tokens,
-                      round(1e3 * launch, 2)])
-    return {"steps": shown, "num_steps": len(steps), "end_ms": round(1e3 * (end - origin), 2)}
+        rows.append([round(1e3 * (start - origin), 2), round(1e3 * (stop - start), 2), len(out.chunks), out.num_tokens,
+                     round(1e3 * launch, 2)])
+    slowest = sorted(range(len(rows)), key=lambda i: rows[i][1], reverse=True)[:5]
+    return {"steps": rows[:num_shown], "slowest_steps": [[i, *rows[i]] for i in sorted(slowest)],
+            "num_steps": len(steps), "end_ms": round(1e3 * (end - origin), 2)}
 
 
 class ProcessEvents:

@@ -214,6 +214,11 @@ def test_sse_arrivals_script_times_every_request(capsys):
     for record in records:  # 3 prompts of 8 tokens, then one decode token each: 27 tokens scheduled in all
         assert sum(tokens for _, _, _, tokens, _ in record["steps"]) == 3 * 8 + 3
         assert record["num_steps"] == len(record["steps"]) and record["end_ms"] > record["steps"][-1][0]
+        slowest = record["slowest_steps"]  # [index, *step], in step order, the longest durations
+        assert 0 < len(slowest) <= 5 and all(record["steps"][i] == step for i, *step in slowest)
+        durations = sorted(duration for _, duration, *_ in record["steps"])
+        assert sorted(duration for _, _, duration, *_ in slowest) == durations[-len(slowest):]
+    assert sse["gc_frozen_objects"] > 10_000  # start-up frozen for the GC after the warm-up, as serve does
 
 
 @pytest.mark.parametrize("open_connections", [False, True])
