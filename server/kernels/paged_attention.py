@@ -35,9 +35,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def prefill_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
     """The SDPA backends around every forward outside the compiled decode step (prefill, mixed and eager decode
     steps), whose shapes are new at almost every step (prompt and KV lengths vary). cuDNN attention builds a
-    plan per new shape: on the H200 (torch 2.11)
-    its first call on a fresh shape took 45-75 ms, flash and memory-efficient attention 0.1-1.3 ms, and they
-    were faster on repeats too (benchmarks/sdpa_shapes.py, docs/PERF.md session 7). So cuDNN is left out."""
+    plan per new shape: on the H200 (torch 2.11) its first call on a fresh shape took 45-75 ms, flash and
+    memory-efficient attention 0.1-1.3 ms, and they were faster on repeats too (benchmarks/sdpa_shapes.py,
+    docs/PERF.md session 7). So cuDNN is left out."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
