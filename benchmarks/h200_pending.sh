@@ -113,7 +113,9 @@ if want qwen36cp; then  # session 5: the hybrid's compiled prefill after the per
   grep -A2 "^ *B " "$out/qwen36cp.txt" || tail -20 "$out/qwen36cp.txt"
 fi
 if want sdpa; then  # session 7: the first call of SDPA / a linear on a new shape, per backend (cuDNN plans each)
-  timeout 120 python3 benchmarks/sdpa_shapes.py 2>&1 | grep '^{' | tee "$out/sdpa_shapes.jsonl"
+  timeout 120 python3 benchmarks/sdpa_shapes.py 2>&1 | grep '^{' | tee "$out/sdpa_shapes.jsonl" | cut -c1-300
+  CUDA_MODULE_LOADING=EAGER timeout 120 python3 benchmarks/sdpa_shapes.py 2>&1 | grep '^{' \
+    | tee "$out/sdpa_shapes_eager_loading.jsonl" | cut -c1-300
 fi
 if want nographsattn; then  # session 7: the no-graph decode graph has symbolic sizes, so SDPA's backend meets new
   for kind in sdpa reduce flex; do  # shapes at run time (cuDNN: a plan each); reduce and flex do not use SDPA

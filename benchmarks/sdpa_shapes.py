@@ -3,9 +3,11 @@
 The SSE timelines showed each new prefill step composition 40-80 ms slower once (a host-side cost that a repeat of
 the same shapes does not pay). This times, per backend, the first and the second call of SDPA on fresh shapes as
 the engine's two prefill forms make them (causal GQA over one prompt; a boolean-masked padded batch), and a linear
-layer on a fresh token count. One JSON line per (form, backend): median first-call and repeat ms over the shapes.
+layer on a fresh token count. One JSON line per (form, backend): median first-call and repeat ms over the shapes;
+a last line times a linear layer over `--sweep` fresh token counts in a row (run it again with
+CUDA_MODULE_LOADING=EAGER to tell lazy kernel loading from a per-shape cost).
 
-    python benchmarks/sdpa_shapes.py [--shapes 6]
+    python benchmarks/sdpa_shapes.py [--shapes 6] [--sweep 48]
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sweep", type=int, default=48, help="fresh token counts for the linear sweep")
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(args.seed)
     timed(masked_call(32))  # context and library start-up out of the way
@@ -85,6 +88,10 @@ def main() -> None:
             # fresh sizes for every backend, so that no backend meets a shape another one has cached
             sizes = torch.randint(100, 600, (args.shapes,), generator=generator).tolist()
             print(json.dumps({"torch": torch.__version__, **measure(form, make, backend, sizes)}), flush=True)
+    # Does a new token count keep costing the GEMMs (a per-shape choice) or less and less (kernels loaded once)?
+    sizes = torch.randperm(2048, generator=generator)[: args.sweep].add(1).tolist()
+    record = measure("linear_sweep", linear_call, "default", sizes)
+    print(json.dumps({"torch": torch.__version__, "sizes": sizes, **record}), flush=True)
 
 
 if __name__ == "__main__":
