@@ -6,6 +6,7 @@ independent counts.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 
@@ -196,7 +197,14 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
         presets.load_preset(str(bad))
 
 
-def test_sse_arrivals_script_times_every_request(capsys):
+@pytest.fixture
+def unfreeze_gc():
+    """The SSE scripts freeze start-up objects for the GC, as serve does; in the test process, undo it after."""
+    yield
+    gc.unfreeze()
+
+
+def test_sse_arrivals_script_times_every_request(capsys, unfreeze_gc):
     """benchmarks/sse_arrivals.py on the CPU: each stream sent, submitted, admitted and answered once, and the
     step timelines of the SSE run and of the one-call reference cover the same tokens."""
     pytest.importorskip("uvicorn")
@@ -222,7 +230,7 @@ def test_sse_arrivals_script_times_every_request(capsys):
 
 
 @pytest.mark.parametrize("open_connections", [False, True])
-def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections):
+def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections, unfreeze_gc):
     """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text,
     with connections opened inside the timed run or before it."""
     pytest.importorskip("uvicorn")
