@@ -3,7 +3,7 @@
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn, or all)
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -124,4 +124,11 @@ if want nographsattn; then  # session 7: the no-graph decode graph has symbolic 
       --json "$out/nographs-$kind.jsonl" > "$out/nographs-$kind.txt" 2>&1
     grep -A1 "^ *B " "$out/nographs-$kind.txt" || tail -5 "$out/nographs-$kind.txt"
   done
+fi
+if want autotune; then  # session 7: qkv (74% of copy speed) and o_proj (71%) GEMVs vs 93% for the big ones:
+  # does inductor's GEMM autotuning (Triton templates vs cuBLAS, per decode bucket) find faster kernels? ~0.18 ms
+  # per Llama step if both reached 93%. Slow compile: batch 1 only, flex as in the target runs.
+  TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 timeout 500 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
+    --engine-option decode_attention=flex --json "$out/autotune.jsonl" > "$out/autotune.txt" 2>&1
+  grep -A2 "^ *B " "$out/autotune.txt" || tail -5 "$out/autotune.txt"
 fi
