@@ -28,14 +28,12 @@ KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 16
 
 
 def separate(k, v, cos, sin, cache, slots):
-    k_cache, v_cache = cache
-    write_kv(k_cache, v_cache, apply_rope(k, cos, sin), v, slots)
+    write_kv(cache, apply_rope(k, cos, sin), v, slots)  # cache: a (K, V) pair
 
 
 def combined(k, v, cos, sin, kv_cache, slots):
-    """kv_cache: [num_blocks, block, 2, kv_heads, head_dim], K at 0 and V at 1 of dim 2."""
-    blocks, offsets = slots // BLOCK, slots % BLOCK
-    kv_cache.index_put_((blocks, offsets), torch.stack([apply_rope(k, cos, sin), v], dim=1).to(kv_cache.dtype))
+    """kv_cache: [num_blocks, block, 2, kv_heads, head_dim], K at 0 and V at 1 of dim 2 (kv_layout "combined")."""
+    write_kv(kv_cache, apply_rope(k, cos, sin), v, slots)
 
 
 def main() -> None:

@@ -76,7 +76,9 @@ class Engine:
         self.state_cache, state_slots = self._state_pool()  # hybrids only; see _num_kv_blocks for its memory
         num_blocks = self._num_kv_blocks(shapes)
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
+        if config.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={config.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout == "combined")
         self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
@@ -84,7 +86,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size, self._decode_graphs(), self.state_cache)
         self.compile_prefill = self._wants_compiled_prefill()
         if self.compile_prefill:
-            caches = [t for layer in self.kv_cache.layers for t in layer]
+            caches = self.kv_cache.tensors()
             caches += [t for layer in (self.state_cache.layers if self.state_cache else []) for t in layer]
             self.runner.forward_steps = CompiledSteps(model, caches, size_oblivious=self.state_cache is None)
         self._outputs: dict[str, _OutputState] = {}
@@ -408,6 +410,7 @@ class Engine:
 
 
 DECODE_ATTENTION = ("sdpa", "reduce", "flex")
+KV_LAYOUTS = ("split", "combined")
 
 
 def _check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:

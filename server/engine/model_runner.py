@@ -83,17 +83,22 @@ class CompiledSteps:
 
 
 class KVCache:
-    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device."""
+    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device: a (K, V) pair per layer,
+    or with `combined` one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor (kernels.write_kv)."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device):
+    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device, combined: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers = [
-            (
-                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device),
-                torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device),
-            )
-            for kv_heads, head_dim in shapes
-        ]
+
+        def layer(kv_heads: int, head_dim: int):
+            if combined:
+                return torch.zeros(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype, device=device)
+            return tuple(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+
+        self.layers = [layer(kv_heads, head_dim) for kv_heads, head_dim in shapes]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every cache tensor (for torch.compile's static marking)."""
+        return [t for layer in self.layers for t in ((layer,) if isinstance(layer, torch.Tensor) else layer)]
 
     @staticmethod
     def bytes_per_block(shapes: list[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:

@@ -1,8 +1,8 @@
 """Attention over a paged KV cache, and writing new K/V into it.
 
-Cache layout per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim]`. A step's tokens come
-flat; `meta` (server.models.base.AttentionMetadata, passed duck-typed to keep kernels free of models)
-maps them onto a padded `[num_seqs, max_q_len]` query view.
+Cache layout per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim]`, apart or side by side in
+one tensor (see write_kv). A step's tokens come flat; `meta` (server.models.base.AttentionMetadata, passed
+duck-typed to keep kernels free of models) maps them onto a padded `[num_seqs, max_q_len]` query view.
 
 Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled decode step can use `paged_decode_attention` (the gather fused into
@@ -21,15 +21,24 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from server.kernels.flex_decode import flex_decode_attention
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place.
+def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place; returns the
+    layer's K and V caches `[num_blocks, block_size, kv_heads, head_dim]` to attend over.
 
-    index_put_ on the cache tensor itself (not on a reshaped view) so torch.compile updates it in place;
-    mutating a view made torch 2.11's inductor copy the whole cache every step (measured: docs/PERF.md)."""
-    block_size = k_cache.shape[1]
+    kv_cache: a (K, V) pair of such tensors, or one `[num_blocks, block_size, 2, kv_heads, head_dim]` tensor
+    (EngineConfig.kv_layout "combined": one scatter per layer instead of two; H200, benchmarks/kv_write.py: 1.07
+    vs 1.91 us per layer at batch 1). index_put_ on the cache tensor itself (not on a reshaped view) so
+    torch.compile updates it in place; mutating a view made torch 2.11's inductor copy the whole cache every step
+    (measured: docs/PERF.md)."""
+    block_size = kv_cache.shape[1] if isinstance(kv_cache, torch.Tensor) else kv_cache[0].shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if isinstance(kv_cache, torch.Tensor):
+        kv_cache.index_put_((blocks, offsets), torch.stack((k, v), dim=1).to(kv_cache.dtype))
+        return kv_cache[:, :, 0], kv_cache[:, :, 1]
+    k_cache, v_cache = kv_cache
     k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
     v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
+    return k_cache, v_cache
 
 
 def prefill_sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:

@@ -61,8 +61,9 @@ class AttentionMetadata:
 
     @classmethod
     def for_decode(cls, slot_mapping, block_tables, positions, decode_kernel: str, k_cache, **state):
-        """One token per sequence, rows in order. `k_cache`: any attention layer's key cache (all share the block
-        layout); with decode_kernel "flex" the step's BlockMask over it is built here, once for all layers."""
+        """One token per sequence, rows in order. `k_cache`: any attention layer's cache tensor (all share the block
+        layout; only its leading [num_blocks, block_size] dims are read); with decode_kernel "flex" the step's
+        BlockMask over it is built here, once for all layers."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         meta = cls(
             slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],

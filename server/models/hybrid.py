@@ -183,8 +183,7 @@ class GatedAttention(nn.Module):
         k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -327,7 +326,7 @@ class HybridModel(CausalLM):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor],  # per attention layer (write_kv)
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)

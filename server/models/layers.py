@@ -111,7 +111,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,  # see kernels.paged_attention.write_kv
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -122,8 +122,7 @@ class Attention(nn.Module):
             q = getattr(self, self.q_norm_name)(q)
             k = getattr(self, self.k_norm_name)(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
 
