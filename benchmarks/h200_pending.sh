@@ -3,7 +3,7 @@
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune, or all)
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout, or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -131,4 +131,13 @@ if want autotune; then  # session 7: qkv (74% of copy speed) and o_proj (71%) GE
   TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 timeout 500 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 \
     --engine-option decode_attention=flex --json "$out/autotune.jsonl" > "$out/autotune.txt" 2>&1
   grep -A2 "^ *B " "$out/autotune.txt" || tail -5 "$out/autotune.txt"
+fi
+if want kvlayout; then  # session 7: kv_layout=combined (one KV scatter per layer; kv_write.py: -0.027 ms per Llama
+  for run in 1 2; do  # step at batch 1) against split, alternating on one machine, flex as in the target runs
+    for layout in split combined; do
+      timeout 140 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
+        --engine-option kv_layout=$layout --json "$out/kvlayout.jsonl" > "$out/kvlayout-$layout-$run.txt" 2>&1
+      echo "$layout run $run"; grep -A2 "^ *B " "$out/kvlayout-$layout-$run.txt" || tail -5 "$out/kvlayout-$layout-$run.txt"
+    done
+  done
 fi

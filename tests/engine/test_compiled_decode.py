@@ -105,6 +105,24 @@ def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny
     assert counters["stats"]["unique_graphs"] == graphs_before
 
 
+@pytest.mark.parametrize("decode_attention", ["sdpa", "reduce"])
+def test_combined_kv_layout_compiled_matches_the_eager_split_layout(decode_attention, tiny_checkpoint):
+    """kv_layout "combined" through the compiled decode step and compiled prefill: the eager split layout's tokens
+    and logprobs (the write goes through one scatter into the [blocks, block, 2, heads, dim] tensor and every
+    attention form reads K and V as views of it)."""
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", compile_prefill=True,
+                                      decode_attention=decode_attention, kv_layout="combined")
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=0)
+    prompts = [random_ids(n, n + 3) for n in (6, 23, 2)]  # a chunk past the 16-token budget, decode at 3 positions
+    expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert compiled.runner.decode_graphs._seen  # the decode steps did run compiled
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    diffs = [abs(a.logprob - b.logprob) for o, e in zip(got, expected, strict=True) for a, b in zip(o.logprobs, e.logprobs, strict=True)]
+    assert max(diffs) < 1e-4
+
+
 @pytest.mark.parametrize("device, decode_compiled, hybrid, quantization, setting, expected", [
     ("cuda", True, False, None, None, True),  # the default where it was measured
     ("cuda", True, True, None, None, False),  # hybrids: minutes of cold compile, opt in
