@@ -99,7 +99,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
         "preset": target.name, "model_type": target.hf_config["model_type"], "device": device.type,
         "gpu_name": device_name(device), "dtype": str(dtype).removeprefix("torch."),
         "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
-        "copy_gb_s": copy_gb_s, "torch_version": torch.__version__,
+        "copy_gb_s": copy_gb_s, "torch_version": torch.__version__, "engine_options": dict(opts.engine_options),
         "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
