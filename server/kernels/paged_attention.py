@@ -30,14 +30,15 @@ def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     vs 1.91 us per layer at batch 1). index_put_ on the cache tensor itself (not on a reshaped view) so
     torch.compile updates it in place; mutating a view made torch 2.11's inductor copy the whole cache every step
     (measured: docs/PERF.md)."""
-    block_size = kv_cache.shape[1] if isinstance(kv_cache, torch.Tensor) else kv_cache[0].shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    if isinstance(kv_cache, torch.Tensor):
-        kv_cache.index_put_((blocks, offsets), torch.stack((k, v), dim=1).to(kv_cache.dtype))
+    combined = isinstance(kv_cache, torch.Tensor)
+    block_size = (kv_cache if combined else kv_cache[0]).shape[1]
+    slots = (slot_mapping // block_size, slot_mapping % block_size)  # (block, offset in block) per token
+    if combined:
+        kv_cache.index_put_(slots, torch.stack((k, v), dim=1).to(kv_cache.dtype))
         return kv_cache[:, :, 0], kv_cache[:, :, 1]
     k_cache, v_cache = kv_cache
-    k_cache.index_put_((blocks, offsets), k.to(k_cache.dtype))
-    v_cache.index_put_((blocks, offsets), v.to(v_cache.dtype))
+    k_cache.index_put_(slots, k.to(k_cache.dtype))
+    v_cache.index_put_(slots, v.to(v_cache.dtype))
     return k_cache, v_cache
 
 
