@@ -1,10 +1,15 @@
-"""The `mps-serve` command: generate on the demo model and info, as a user runs them (subprocess)."""
+"""The `mps-serve` command: generate on the demo model and info, as a user runs them (subprocess); serve's engine
+factory in process."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import os
 import subprocess
 import sys
+
+from server import cli
 
 
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -44,11 +49,6 @@ def test_serve_freezes_what_start_up_left_for_the_gc(tmp_path, monkeypatch):
     """serve's engine factory warms up and then moves the start-up objects out of the cyclic GC's reach (a full
     collection walking the compiled graphs stalled every stream for 1.4-2.4 s on the H200). In process: the
     server itself is replaced by a call of the factory."""
-    import asyncio
-    import gc
-
-    from server import cli
-
     monkeypatch.setenv("MPS_SERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))

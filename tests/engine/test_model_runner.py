@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
+
 from server.engine import model_runner
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
@@ -34,8 +36,6 @@ def test_the_runner_runs_prefill_and_mixed_steps_in_the_prefill_context(tiny_che
 def test_kv_cache_layouts_and_an_unknown_one(tiny_checkpoint):
     """split: a (K, V) pair per layer; combined: one [blocks, block, 2, kv_heads, dim] tensor per layer, the same
     bytes; anything else is refused by name."""
-    import pytest
-
     path = str(tiny_checkpoint("llama")[0])
     split = Engine.from_pretrained(path, **ENGINE_KW).kv_cache
     combined = Engine.from_pretrained(path, **ENGINE_KW, kv_layout="combined").kv_cache
