@@ -36,7 +36,7 @@ def random_case(batch: int, block_size: int, num_blocks: int, max_len: int, gen:
 def layers_step(kind: str, caches):
     def step(q, tables, positions):
         slots = torch.zeros_like(positions)  # unused: decode attention does not write
-        meta = AttentionMetadata.for_decode(slots, tables, positions, kind, caches[0][0])
+        meta = AttentionMetadata.for_decode(slots, tables, positions, kind, caches[0])
         out = q
         for k_cache, v_cache in caches:
             out = paged_attention(out, out, out, k_cache, v_cache, meta, HEAD_DIM**-0.5)

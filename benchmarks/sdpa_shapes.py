@@ -13,6 +13,7 @@ CUDA_MODULE_LOADING=EAGER to tell lazy kernel loading from a per-shape cost).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -60,14 +61,11 @@ def measure(form: str, make, backend: str, sizes: list[int]) -> dict:
     firsts, repeats = [], []
     for size in sizes:
         call = make(size)
+        chosen = contextlib.nullcontext() if BACKENDS.get(backend) is None else sdpa_kernel(BACKENDS[backend])
         try:
-            if BACKENDS.get(backend) is None:
+            with chosen:
                 firsts.append(timed(call))
                 repeats.append(timed(call))
-            else:
-                with sdpa_kernel(BACKENDS[backend]):
-                    firsts.append(timed(call))
-                    repeats.append(timed(call))
         except RuntimeError as error:  # the backend does not take this form
             return {"form": form, "backend": backend, "error": str(error).splitlines()[0][:120]}
     return {"form": form, "backend": backend, "first_ms": round(statistics.median(firsts), 3),

@@ -78,9 +78,8 @@ class DecodeGraphs:
         if self.state_cache is not None:
             state = dict(query_lens=torch.ones_like(positions), state_slots=packed[:, self.NUM_FIXED],
                          state_caches=self.state_cache.layers)
-        first = self.kv_layers[0]  # its leading dims are [num_blocks, block_size] in either KV layout
         meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, self.decode_kernel,
-                                            first if isinstance(first, torch.Tensor) else first[0], **state)
+                                            self.kv_layers[0], **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
         last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))

@@ -21,6 +21,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from server.kernels.flex_decode import flex_decode_attention
 
 
+def kv_block_dims(kv_cache) -> tuple[int, int]:
+    """(num_blocks, block_size) of one layer's cache, in either layout (a (K, V) pair or one combined tensor)."""
+    num_blocks, block_size = (kv_cache if isinstance(kv_cache, torch.Tensor) else kv_cache[0]).shape[:2]
+    return num_blocks, block_size
+
+
 def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatter this step's K/V `[num_tokens, kv_heads, head_dim]` into their cache slots, in place; returns the
     layer's K and V caches `[num_blocks, block_size, kv_heads, head_dim]` to attend over.
@@ -30,10 +36,9 @@ def write_kv(kv_cache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
     vs 1.91 us per layer at batch 1). index_put_ on the cache tensor itself (not on a reshaped view) so
     torch.compile updates it in place; mutating a view made torch 2.11's inductor copy the whole cache every step
     (measured: docs/PERF.md)."""
-    combined = isinstance(kv_cache, torch.Tensor)
-    block_size = (kv_cache if combined else kv_cache[0]).shape[1]
+    _, block_size = kv_block_dims(kv_cache)
     slots = (slot_mapping // block_size, slot_mapping % block_size)  # (block, offset in block) per token
-    if combined:
+    if isinstance(kv_cache, torch.Tensor):
         kv_cache.index_put_(slots, torch.stack((k, v), dim=1).to(kv_cache.dtype))
         return kv_cache[:, :, 0], kv_cache[:, :, 1]
     k_cache, v_cache = kv_cache

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from server.kernels.flex_decode import decode_block_mask
+from server.kernels.paged_attention import kv_block_dims
 
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
@@ -60,10 +61,10 @@ class AttentionMetadata:
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
 
     @classmethod
-    def for_decode(cls, slot_mapping, block_tables, positions, decode_kernel: str, k_cache, **state):
-        """One token per sequence, rows in order. `k_cache`: any attention layer's cache tensor (all share the block
-        layout; only its leading [num_blocks, block_size] dims are read); with decode_kernel "flex" the step's
-        BlockMask over it is built here, once for all layers."""
+    def for_decode(cls, slot_mapping, block_tables, positions, decode_kernel: str, kv_cache, **state):
+        """One token per sequence, rows in order. `kv_cache`: any attention layer's cache, in either layout (all
+        share the block layout); with decode_kernel "flex" the step's BlockMask over it is built here, once for all
+        layers."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         meta = cls(
             slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],
@@ -71,7 +72,7 @@ class AttentionMetadata:
             is_decode=True, decode_kernel=decode_kernel, **state,
         )
         if decode_kernel == "flex":
-            num_blocks, block_size = k_cache.shape[:2]
+            num_blocks, block_size = kv_block_dims(kv_cache)
             meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
         return meta
 
