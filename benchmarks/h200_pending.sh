@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-7), with
+# The issue-5 measurements on the H200 (sessions 4-8), with
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout, or all)
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv,
+#   or all)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -140,4 +141,8 @@ if want kvlayout; then  # session 7: kv_layout=combined (one KV scatter per laye
       echo "$layout run $run"; grep -A2 "^ *B " "$out/kvlayout-$layout-$run.txt" || tail -5 "$out/kvlayout-$layout-$run.txt"
     done
   done
+fi
+if want gemv; then  # session 8: few-token GEMV as cuBLAS, inductor-autotuned or one Triton reduction (qkv / o_proj
+  # at 71-74% of copy speed, 64 split-K reduce kernels per step)
+  timeout 240 python3 benchmarks/gemv_forms.py --batches 1,4 2>&1 | grep '^{' | tee "$out/gemv_forms.jsonl" | cut -c1-600
 fi
