@@ -35,10 +35,12 @@ class EngineConfig:
     # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for bf16/fp16 attention-only
     # models; off for hybrids (minutes of cold compile), FP8 and on MPS until measured there
     compile_prefill: bool | None = None
-    # "split": K and V caches apart per layer; "combined": one [blocks, block, 2, kv_heads, head_dim] tensor per
-    # layer, written by one scatter (H200: 1.07 vs 1.91 us per layer at batch 1, ~0.6% of a Llama step). An A/B
-    # knob until measured end to end (it changes the strides every attention path reads)
-    kv_layout: str = "split"
+    # "combined": one [blocks, block, 2, kv_heads, head_dim] tensor per layer, written by one scatter (H200, Llama
+    # batch 1: 4.71 vs 4.75 ms per step end to end, docs/PERF.md session 8); "split": K and V caches apart
+    kv_layout: str = "combined"
+    # the compiled batch-1 decode step's GEMVs with out_features <= in_features (o_proj, down, ...): "blas"
+    # (F.linear) | "reduction" (one inductor reduction kernel). None: reduction on CUDA (measured faster there)
+    decode_gemv: str | None = None
     revision: str | None = None
 
 

@@ -41,6 +41,7 @@ from server.engine.types import (
 from server.engine.weights import load_model, resolve_model_path
 from server.kernels import flex_decode
 from server.kernels.gated_delta import CHUNK_SIZE
+from server.kernels.linear import resolve_decode_gemv, use_reduction_gemv
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Engine:
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
         if config.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout={config.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
+        self.decode_gemv = resolve_decode_gemv(config.decode_gemv, device)
         self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout == "combined")
         self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
@@ -138,6 +140,8 @@ class Engine:
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
         _check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
+        if self.decode_gemv == "reduction":
+            log.info("one-token reduction GEMV for %d linears", len(use_reduction_gemv(self.model)))
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(

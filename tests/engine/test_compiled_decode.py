@@ -57,6 +57,27 @@ def test_static_decode_shapes_compile_each_bucket_and_match_eager(tiny_checkpoin
     assert counters["stats"]["unique_graphs"] - graphs_before == len(seen)  # symbolic sizes would share one graph
 
 
+def test_reduction_gemv_decode_matches_eager(tiny_checkpoint):
+    """decode_gemv="reduction" (the CUDA default) forced on the CPU: the batch-1 step's o_proj and down_proj as one
+    reduction each give the eager tokens and logprobs (fp32); batch 2 keeps F.linear. Unknown names are refused."""
+    from server.kernels.linear import ReductionGemv
+
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_gemv="reduction")
+    swapped = {name.rsplit(".", 1)[-1] for name, m in compiled.model.named_modules() if isinstance(m, ReductionGemv)}
+    assert swapped == {"o_proj", "down_proj"}  # qkv, gate_up and the LM head are wider than their input
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    for prompts in ([random_ids(13, 4)], [random_ids(n, n) for n in (5, 9)]):
+        expected, got = eager.generate(prompts, params), compiled.generate(prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+        diffs = [abs(a.logprob - b.logprob) for o, e in zip(got, expected, strict=True) for a, b in zip(o.logprobs, e.logprobs, strict=True)]
+        assert max(diffs) < 1e-4
+    assert {b for b, _ in compiled.runner.decode_graphs._seen} == {1, 2}
+    with pytest.raises(ValueError, match="decode_gemv='gemm' is not one of blas, reduction"):
+        Engine.from_pretrained(str(path), **ENGINE_KW, decode_gemv="gemm")
+
+
 @pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"),
                                            ("flex", "cannot run on cpu with torch .*; use 'sdpa'")])
 def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
@@ -111,7 +132,7 @@ def test_combined_kv_layout_compiled_matches_the_eager_split_layout(decode_atten
     and logprobs (the write goes through one scatter into the [blocks, block, 2, heads, dim] tensor and every
     attention form reads K and V as views of it)."""
     path, _ = tiny_checkpoint("llama")
-    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", kv_layout="split")
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", compile_prefill=True,
                                       decode_attention=decode_attention, kv_layout="combined")
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -37,8 +37,8 @@ def test_kv_cache_layouts_and_an_unknown_one(tiny_checkpoint):
     """split: a (K, V) pair per layer; combined: one [blocks, block, 2, kv_heads, dim] tensor per layer, the same
     bytes; anything else is refused by name."""
     path = str(tiny_checkpoint("llama")[0])
-    split = Engine.from_pretrained(path, **ENGINE_KW).kv_cache
-    combined = Engine.from_pretrained(path, **ENGINE_KW, kv_layout="combined").kv_cache
+    split = Engine.from_pretrained(path, **ENGINE_KW, kv_layout="split").kv_cache
+    combined = Engine.from_pretrained(path, **ENGINE_KW).kv_cache  # the default
     k_cache, v_cache = split.layers[0]
     assert combined.layers[0].shape == (k_cache.shape[0], k_cache.shape[1], 2, *k_cache.shape[2:])
     assert len(split.tensors()) == 2 * len(combined.tensors()) == 2 * len(combined.layers)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import fields
 
+import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from server.kernels.capabilities import Capabilities, Probe, capabilities
-from server.kernels.linear import linear, linear_reference
+from server.kernels.linear import ReductionGemv, linear, linear_reference, resolve_decode_gemv, use_reduction_gemv
 from server.kernels.streams import DeviceStreams
 
 
@@ -59,3 +62,41 @@ def test_decode_linear_fuses_bias_and_keeps_shape():
     out16 = linear(x16, weight.to(torch.bfloat16))
     ref = linear_reference(x16, weight.to(torch.bfloat16))
     assert ((out16.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+def test_decode_gemv_choice_defaults_and_is_checked():
+    assert resolve_decode_gemv(None, torch.device("cuda")) == "reduction"
+    assert resolve_decode_gemv(None, torch.device("mps")) == resolve_decode_gemv(None, torch.device("cpu")) == "blas"
+    assert resolve_decode_gemv("blas", torch.device("cuda")) == "blas"
+    with pytest.raises(ValueError, match="decode_gemv='gemm' is not one of blas, reduction"):
+        resolve_decode_gemv("gemm", torch.device("cpu"))
+
+
+def test_reduction_gemv_only_for_one_static_token_under_compile():
+    """Linears with out <= in get the form; compiled with one token the graph has a multiply-and-sum and no
+    linear, with several tokens (or eagerly) it is F.linear; values match F.linear in fp32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 96, bias=False), nn.Linear(96, 96, bias=False))
+    weights = [m.weight.detach().clone() for m in model]
+    assert use_reduction_gemv(model) == ["0", "2"] and use_reduction_gemv(model) == []  # idempotent
+    assert type(model[1]) is nn.Linear and isinstance(model[0], nn.Linear) and isinstance(model[2], ReductionGemv)
+    assert all(torch.equal(m.weight, w) for m, w in zip(model, weights, strict=True))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_method")])
+        return gm.forward
+
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, 1, 64)
+        expected = F.linear(F.linear(F.linear(x, *weights[:1], model[0].bias), weights[1]), weights[2])
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=capture, dynamic=False, fullgraph=True)(x)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # eager: F.linear itself
+    one, three = graphs
+    assert sum("linear" in t for t in one) == 1 and any("sum" in t for t in one)  # only model[1] stays a linear
+    assert sum("linear" in t for t in three) == 3 and not any("sum" in t for t in three)
+    torch._dynamo.reset()
+    x = torch.randn(1, 1, 64)
+    torch.testing.assert_close(torch.compile(model, dynamic=False)(x), model(x), rtol=1e-5, atol=1e-5)  # inductor
