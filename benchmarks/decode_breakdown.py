@@ -36,6 +36,7 @@ CATEGORIES = [  # (name, pattern on the kernel name), first match wins
     ("kv write", r"index_put|index_copy"),
     ("attention", r"attention|sdpa|fmha|flash|_efficient_|softmax.*(bitwise|masked)|masked_fill"),
     ("moe routing", r"topk|sort|searchsorted|sigmoid.*add|softmax"),
+    ("gemv (reduction)", r"(red|per)_fused.*mul.*_sum"),  # decode_gemv="reduction": o_proj, down, ...
     ("gemm / gemv", r"nvjet|gemm|gemv|cutlass|splitK|cublas|sm90_xmma|mm_"),
     ("norms / rope / act", r"rsqrt|mean|cos|sin|silu|mul|add"),
     ("sampling", r"argmax|exponential|log|cumsum|scatter"),
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "reduce", "flex"])
+    parser.add_argument("--decode-gemv", default=None, choices=["blas", "reduction"], help="default: the engine's")
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
@@ -71,7 +73,8 @@ def main() -> None:
         model = build(args.shape, device, torch.bfloat16)
     config = EngineConfig(model=args.shape, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
-                          cuda_graphs=args.graphs == "1", decode_attention=args.decode_attention)
+                          cuda_graphs=args.graphs == "1", decode_attention=args.decode_attention,
+                          decode_gemv=args.decode_gemv)
     engine = Engine.from_model(model, config, device)
     prompts = [list(range(1, 129))] * args.batch
     engine.generate(prompts, SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True))  # compile, capture
@@ -100,7 +103,8 @@ def main() -> None:
     top_rows = [{"kernel": name[:110], "category": classify(name), "per_step": round(n / steps, 2),
                  "us_each": round(1e3 * ms / n, 2), "ms_per_step": round(ms / steps, 4)} for name, (n, ms) in top]
     print(json.dumps({"shape": args.shape, "quantize": args.quantize, "graphs": args.graphs, "batch": args.batch,
-                      "decode_attention": args.decode_attention, "top_kernels": top_rows,
+                      "decode_attention": args.decode_attention,
+                      "decode_gemv": engine.decode_gemv, "top_kernels": top_rows,
                       "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
                       "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),

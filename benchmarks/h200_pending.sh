@@ -3,7 +3,8 @@
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
-#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv,
+#   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
+#   gemvab,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -145,4 +146,15 @@ fi
 if want gemv; then  # session 8: few-token GEMV as cuBLAS, inductor-autotuned or one Triton reduction (qkv / o_proj
   # at 71-74% of copy speed, 64 split-K reduce kernels per step)
   timeout 240 python3 benchmarks/gemv_forms.py --batches 1,4 2>&1 | grep '^{' | tee "$out/gemv_forms.jsonl" | cut -c1-600
+fi
+if want gemvab; then  # session 8: decode_gemv reduction (o_proj, down as one Triton reduction each) against blas,
+  for run in 1 2; do  # alternating on one machine, flex and the combined KV layout as in the target runs
+    for gemv in blas reduction; do
+      timeout 140 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
+        --engine-option decode_gemv=$gemv --json "$out/gemvab.jsonl" > "$out/gemvab-$gemv-$run.txt" 2>&1
+      echo "$gemv run $run"; grep -A2 "^ *B " "$out/gemvab-$gemv-$run.txt" || tail -5 "$out/gemvab-$gemv-$run.txt"
+    done
+  done
+  timeout 150 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
+    > "$out/breakdown-llama-reduction.txt" 2>&1; tail -34 "$out/breakdown-llama-reduction.txt"
 fi
