@@ -4,7 +4,7 @@
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
-#   gemvab,
+#   gemvab gemvbreak,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -155,6 +155,8 @@ if want gemvab; then  # session 8: decode_gemv reduction (o_proj, down as one Tr
       echo "$gemv run $run"; grep -A2 "^ *B " "$out/gemvab-$gemv-$run.txt" || tail -5 "$out/gemvab-$gemv-$run.txt"
     done
   done
-  timeout 150 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
-    > "$out/breakdown-llama-reduction.txt" 2>&1; tail -34 "$out/breakdown-llama-reduction.txt"
+fi
+if want gemvbreak; then  # session 8: why the reduction GEMVs made the step slower (4.71 -> 6.09 ms) in the graph
+  timeout 280 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
+    --decode-gemv reduction > "$out/breakdown-llama-reduction.txt" 2>&1; tail -34 "$out/breakdown-llama-reduction.txt"
 fi

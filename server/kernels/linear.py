@@ -1,5 +1,5 @@
-"""Dense decode linear: `F.linear` on contiguous [B, 1, H] input with the bias fused, and the one-token GEMV
-written as a multiply-and-sum where that measured faster than the BLAS GEMV.
+"""Dense decode linear: `F.linear` on contiguous [B, 1, H] input with the bias fused; and, as an opt-in A/B form,
+the one-token GEMV written as a multiply-and-sum for inductor to lower to one reduction kernel.
 
 `F.linear(x, w, b)` on a 3-D input reaches the GEMV kernels (2.15 MPS; cuBLAS on CUDA) and adds the bias in the
 same call; a matmul followed by a separate add, or a reshape that copies, costs an extra pass per layer.
@@ -30,10 +30,11 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def resolve_decode_gemv(choice: str | None, device: torch.device) -> str:
-    """None: "reduction" on CUDA, where it was measured (H200, one token, Llama-3.1-8B shapes: down 28.5 vs 31.8 us,
-    o_proj 11.7 vs 12.5, no split-K reduce kernel after them; docs/PERF.md session 8); "blas" elsewhere."""
+    """None: "blas" everywhere. "reduction" is an A/B knob: alone it beat cuBLAS on the H200 (one token, Llama-3.1-8B
+    shapes: down 28.5 vs 31.8 us, o_proj 11.7 vs 12.5), but inside the decode step the Llama step went 4.71 -> 6.09
+    ms (docs/PERF.md session 8), so it stays off until that is understood."""
     if choice is None:
-        return "reduction" if device.type == "cuda" else "blas"
+        return "blas"
     if choice not in DECODE_GEMV:
         raise ValueError(f"decode_gemv={choice!r} is not one of {', '.join(DECODE_GEMV)}")
     return choice
@@ -59,8 +60,8 @@ def _reduction_class(cls: type) -> type:
 
 
 def use_reduction_gemv(model: nn.Module) -> list[str]:
-    """Give the one-token reduction form to every dense linear with out_features <= in_features (where it beat
-    cuBLAS on the H200; wider outputs, qkv and gate_up, stayed faster in cuBLAS). Returns the module names.
+    """Give the one-token reduction form to every dense linear with out_features <= in_features (alone, that form
+    beat cuBLAS on the H200 only for those shapes; qkv and gate_up were faster in cuBLAS). Returns the module names.
     Parameter names and values are untouched."""
     names = []
     for name, module in model.named_modules():

@@ -58,7 +58,7 @@ def test_static_decode_shapes_compile_each_bucket_and_match_eager(tiny_checkpoin
 
 
 def test_reduction_gemv_decode_matches_eager(tiny_checkpoint):
-    """decode_gemv="reduction" (the CUDA default) forced on the CPU: the batch-1 step's o_proj and down_proj as one
+    """decode_gemv="reduction" (an opt-in A/B knob) on the CPU: the batch-1 step's o_proj and down_proj as one
     reduction each give the eager tokens and logprobs (fp32); batch 2 keeps F.linear. Unknown names are refused."""
     from server.kernels.linear import ReductionGemv
 
