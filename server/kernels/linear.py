@@ -32,7 +32,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def resolve_decode_gemv(choice: str | None, device: torch.device) -> str:
     """None: "blas" everywhere. "reduction" is an A/B knob: alone it beat cuBLAS on the H200 (one token, Llama-3.1-8B
     shapes: down 28.5 vs 31.8 us, o_proj 11.7 vs 12.5), but inside the decode step the Llama step went 4.71 -> 6.09
-    ms (docs/PERF.md session 8), so it stays off until that is understood."""
+    ms (docs/PERF.md session 8: the inputs' producers were recomputed inside the reductions); with the inputs
+    stored first (ReductionGemv.forward) it is not measured yet."""
     if choice is None:
         return "blas"
     if choice not in DECODE_GEMV:
@@ -49,6 +50,10 @@ class ReductionGemv:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.numel() // x.shape[-1]
         if torch.compiler.is_compiling() and isinstance(num_tokens, int) and num_tokens == 1:
+            # as_strided makes inductor store x first: otherwise x's producer (silu(gate) * up, flex attention's
+            # combine) is inlined into the reduction and recomputed for every output row (H200: down 62.5 us
+            # instead of 28.5; only the CPU backend realizes such inputs on its own)
+            x = x.as_strided(x.shape, x.stride())
             out = (x.unsqueeze(-2) * self.weight).sum(-1)  # [..., 1, K] * [N, K] -> [..., N], fp32 accumulation
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)

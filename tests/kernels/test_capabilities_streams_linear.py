@@ -99,3 +99,21 @@ def test_reduction_gemv_only_for_one_static_token_under_compile():
     torch._dynamo.reset()
     x = torch.randn(1, 1, 64)
     torch.testing.assert_close(torch.compile(model, dynamic=False)(x), model(x), rtol=1e-5, atol=1e-5)  # inductor
+
+
+def test_reduction_gemv_stores_its_input_before_reducing():
+    """The input's producer (here a cheap product, which inductor would inline) is stored as its own buffer before
+    the reduction reads it, instead of being recomputed for every output row (what made the H200 step slower)."""
+    from torch._inductor import metrics
+
+    layer = nn.Linear(64, 32, bias=False)
+    use_reduction_gemv(layer)
+    a, b = torch.randn(1, 64), torch.randn(1, 64)
+    torch._dynamo.reset()
+    metrics.reset()
+    # no_grad as the engine runs (with autograd on, the product is kept for backward anyway); no cache, so that
+    # inductor lowers the graph here and counts its nodes
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        got = torch.compile(lambda a, b: layer(a * b), dynamic=False, fullgraph=True)(a, b)
+    torch.testing.assert_close(got, F.linear(a * b, layer.weight), rtol=1e-5, atol=1e-5)
+    assert metrics.ir_nodes_pre_fusion == 2  # the product, then the reduction
