@@ -4,7 +4,7 @@
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
-#   gemvab gemvbreak,
+#   gemvab gemvbreak spans,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -159,4 +159,12 @@ fi
 if want gemvbreak; then  # session 8: why the reduction GEMVs made the step slower (4.71 -> 6.09 ms) in the graph
   timeout 280 python3 benchmarks/decode_breakdown.py --shape llama-3.1-8b --decode-attention flex --top 25 \
     --decode-gemv reduction > "$out/breakdown-llama-reduction.txt" 2>&1; tail -34 "$out/breakdown-llama-reduction.txt"
+fi
+if want spans; then  # session 8: SSE decode steps ran 7.4-7.5 ms against 7.1 in one generate call (session 7): is the
+  # device slower per step, or idle because the host queued late? (device_spans: gpu ms and idle ms per launch)
+  timeout 400 python3 benchmarks/sse_arrivals.py --preset llama-3.1-8b --reps 3 --open-connections > "$out/spans.txt" 2>&1
+  grep '^{' "$out/spans.txt" | python3 -c 'import json, sys
+for d in map(json.loads, sys.stdin):
+    print(json.dumps({k: d.get(k) for k in ("run", "rep", "end_ms", "num_steps", "device_gpu_ms", "device_idle_ms",
+                                            "device_idle_max_ms", "device_spans")}))' || tail -5 "$out/spans.txt"
 fi

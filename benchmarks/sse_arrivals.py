@@ -8,6 +8,7 @@ system-wide monotonic clock, so the client process's times compare with the serv
 request, when `AsyncEngine.submit` and `Engine.add_request` saw it, and the engine's steps (start, duration,
 sequences and tokens scheduled) over the first `--steps`, then the number of steps and the end. A first line does
 the same for `Engine.generate` of the same prompts in one call: the reference the SSE ratio is taken against.
+On CUDA each line also carries the device's own time per launch and its idle time before it (`device_spans`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,44 @@ def record_calls(obj, name: str, times: list) -> None:
         return result
 
     setattr(obj, name, wrapped)
+
+
+class DeviceSpans:
+    """CUDA events recorded on the current stream just before and after each launch: per step, how long the
+    device spent on what the launch queued (`gpu_ms`) and the time from the previous launch's end to this one's
+    start (`idle_ms`: the device idle because the host queued the step late, or running work queued outside
+    launches). Tells a device that ran slower from a host that fell behind. Nothing is recorded off CUDA."""
+
+    def __init__(self, runner, device):
+        import torch
+
+        self.torch, self.enabled, self.events = torch, device.type == "cuda", []  # (perf_counter, before, after)
+        original = runner.launch
+
+        def launch(*args, **kwargs):
+            if not self.enabled:
+                return original(*args, **kwargs)
+            start, (before, after) = time.perf_counter(), (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            before.record()
+            result = original(*args, **kwargs)
+            after.record()
+            self.events.append((start, before, after))
+            return result
+
+        runner.launch = launch
+
+    def summary(self, origin: float, num_shown: int) -> dict:
+        """gpu_ms / idle_ms of the first num_shown and the last 10 launches after origin, and their totals."""
+        events = [(before, after) for start, before, after in self.events if start >= origin]
+        if not events:
+            return {}
+        self.torch.cuda.synchronize()
+        gpu = [before.elapsed_time(after) for before, after in events]
+        idle = [0.0] + [max(0.0, prev_after.elapsed_time(before)) for (_, prev_after), (before, _) in zip(events, events[1:], strict=False)]
+        shown = list(range(min(num_shown, len(events)))) + list(range(max(num_shown, len(events) - 10), len(events)))
+        return {"device_spans": [[i, round(gpu[i], 2), round(idle[i], 2)] for i in shown],  # [launch, gpu ms, idle ms]
+                "device_gpu_ms": round(sum(gpu), 2), "device_idle_ms": round(sum(idle), 2),
+                "device_idle_max_ms": round(max(idle), 2)}
 
 
 async def _timed_streams(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool) -> dict:
@@ -156,12 +195,13 @@ class Recorder:
         record_calls(engine, "step", self.steps)
         record_calls(engine.scheduler, "schedule", self.schedules)
         record_calls(engine.runner, "launch", self.launches)
+        self.device = DeviceSpans(engine.runner, engine.device)
         record_calls(async_engine, "submit", self.submits)
         record_calls(engine, "add_request", self.adds)
         self.events = ProcessEvents(engine.device)
 
     def reset(self) -> None:
-        for log in (self.steps, self.schedules, self.launches, self.submits, self.adds):
+        for log in (self.steps, self.schedules, self.launches, self.submits, self.adds, self.device.events):
             log.clear()
         self.events.reset()
 
@@ -173,7 +213,8 @@ class Recorder:
         self.steps[:], self.schedules[:] = [self.steps[i] for i in kept], [self.schedules[i] for i in kept]
 
     def summary(self, origin: float, end: float, num_shown: int) -> dict:
-        return {**timeline(origin, self.steps, self.schedules, self.launches, end, num_shown), **self.events.summary()}
+        return {**timeline(origin, self.steps, self.schedules, self.launches, end, num_shown), **self.events.summary(),
+                **self.device.summary(origin, num_shown)}
 
 
 def sse_record(rep: int, times: dict, recorder: Recorder, args: argparse.Namespace) -> dict:
