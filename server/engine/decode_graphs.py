@@ -13,11 +13,26 @@ import time
 
 import torch
 
-from server.kernels import sampling
+from server.kernels import flex_decode, sampling
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
 NULL_BLOCK = 0
+
+
+DECODE_ATTENTION = ("sdpa", "reduce", "flex")
+
+
+def check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
+    """A clear error for an unknown kind, or for flex where its compiled probe fails on this device and torch."""
+    if kind not in DECODE_ATTENTION:
+        raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    if kind == "flex":
+        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
+        if not ok:
+            raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
+                             f"{reason}; use 'sdpa'")
+        log.info("flex decode attention on %s: %s", device, reason)
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -20,7 +20,7 @@ import torch
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
-from server.engine.decode_graphs import DecodeGraphs
+from server.engine.decode_graphs import DecodeGraphs, check_decode_attention
 from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner, SampledToken
 from server.engine.request import Request
@@ -39,7 +39,6 @@ from server.engine.types import (
     TopLogprob,
 )
 from server.engine.weights import load_model, resolve_model_path
-from server.kernels import flex_decode
 from server.kernels.gated_delta import CHUNK_SIZE
 from server.kernels.linear import resolve_decode_gemv, use_reduction_gemv
 
@@ -77,10 +76,8 @@ class Engine:
         self.state_cache, state_slots = self._state_pool()  # hybrids only; see _num_kv_blocks for its memory
         num_blocks = self._num_kv_blocks(shapes)
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-        if config.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={config.kv_layout!r} is not one of {', '.join(KV_LAYOUTS)}")
         self.decode_gemv = resolve_decode_gemv(config.decode_gemv, device)
-        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout == "combined")
+        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout)
         self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
@@ -139,7 +136,7 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
-        _check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
+        check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
         if self.decode_gemv == "reduction":
             log.info("one-token reduction GEMV for %d linears", len(use_reduction_gemv(self.model)))
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
@@ -411,18 +408,3 @@ class Engine:
         self.scheduler.finish(request, "stop")
         self._outputs.pop(request.request_id, None)
         return torch.cat(self._score_logits.pop(request.request_id)).cpu()
-
-
-DECODE_ATTENTION = ("sdpa", "reduce", "flex")
-KV_LAYOUTS = ("split", "combined")
-
-
-def _check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-    if kind not in DECODE_ATTENTION:
-        raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
-    if kind == "flex":
-        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
-        if not ok:
-            raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
-                             f"{reason}; use 'sdpa'")
-        log.info("flex decode attention on %s: %s", device, reason)

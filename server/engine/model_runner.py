@@ -83,14 +83,18 @@ class CompiledSteps:
 
 
 class KVCache:
-    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device: a (K, V) pair per layer,
-    or with `combined` one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor (kernels.write_kv)."""
+    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device: layout "split", a (K, V)
+    pair per layer, or "combined", one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor (kernels.write_kv)."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device, combined: bool = False):
+    LAYOUTS = ("split", "combined")
+
+    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device, layout: str = "combined"):
+        if layout not in self.LAYOUTS:
+            raise ValueError(f"kv_layout={layout!r} is not one of {', '.join(self.LAYOUTS)}")
         self.num_blocks, self.block_size = num_blocks, block_size
 
         def layer(kv_heads: int, head_dim: int):
-            if combined:
+            if layout == "combined":
                 return torch.zeros(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype, device=device)
             return tuple(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
 
