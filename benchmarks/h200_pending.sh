@@ -4,7 +4,7 @@
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
-#   gemvab gemvbreak spans,
+#   gemvab gemvbreak spans ssemulti,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -167,4 +167,9 @@ if want spans; then  # session 8: SSE decode steps ran 7.4-7.5 ms against 7.1 in
 for d in map(json.loads, sys.stdin):
     print(json.dumps({k: d.get(k) for k in ("run", "rep", "end_ms", "num_steps", "device_gpu_ms", "device_idle_ms",
                                             "device_idle_max_ms", "device_spans")}))' || tail -5 "$out/spans.txt"
+fi
+if want ssemulti; then  # session 8: ssepool with one client process per stream, all sending at one instant (16
+  # independent users); one asyncio client sends its 16 requests over 6-10 ms (session 7's sse_arrivals)
+  timeout 420 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 3 --open-connections \
+    --client-processes 16 --json "$out/sse-multi.jsonl" > "$out/sse-multi.txt" 2>&1; grep -v INFO "$out/sse-multi.txt" | tail -4
 fi

@@ -146,22 +146,46 @@ async def _stream_one(client, url: str, prompt: list[int], max_tokens: int, star
             "end": time.perf_counter() - start}
 
 
-async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool) -> tuple[float, list[dict]]:
+async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool,
+                    start_at: float | None) -> tuple[float, list[dict]]:
     import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         if open_first:  # one-token requests open the connections first, as a long-lived client's pool has them
             await asyncio.gather(*(_stream_one(client, url, p, 1, time.perf_counter()) for p in prompts))
-        start = time.perf_counter()
+        if start_at is not None:  # perf_counter is one system-wide monotonic clock: every process starts together
+            late = time.perf_counter() - start_at
+            if late > 0:
+                raise RuntimeError(f"a client process was ready {1e3 * late:.1f} ms after the common start")
+            await asyncio.sleep(start_at - time.perf_counter())
+        start = time.perf_counter() if start_at is None else start_at
         streams = await asyncio.gather(*(_stream_one(client, url, p, max_tokens, start) for p in prompts))
     elapsed = max(s["end"] for s in streams)
     return elapsed, streams
 
 
-def sse_client(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool = False) -> tuple[float, list[dict]]:
-    """(seconds from the first request sent to the last [DONE], per-stream details). open_first: the timed
-    requests reuse connections already open (else each opens its own, inside the timed span)."""
-    return asyncio.run(_sse_once(url, prompts, max_tokens, open_first))
+def sse_client(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool = False,
+               start_at: float | None = None) -> tuple[float, list[dict]]:
+    """(seconds from the first request sent, or from `start_at`, to the last [DONE]; per-stream details).
+    open_first: the timed requests reuse connections already open (else each opens its own, inside the timed
+    span)."""
+    return asyncio.run(_sse_once(url, prompts, max_tokens, open_first, start_at))
+
+
+def sse_clients(pool, num_processes: int, url: str, prompts: list[list[int]], max_tokens: int,
+                open_first: bool) -> tuple[float, list[dict]]:
+    """The prompts dealt over `num_processes` client processes that send at one common instant, as independent
+    users would: one asyncio client sends its requests one after another (~0.5 ms of client CPU each)."""
+    if num_processes == 1:
+        return pool.submit(sse_client, url, prompts, max_tokens, open_first).result()
+    start_at = time.perf_counter() + 1.0  # time for every process to open its connections first
+    parts = [pool.submit(sse_client, url, prompts[i::num_processes], max_tokens, open_first, start_at)
+             for i in range(num_processes)]
+    results = [part.result() for part in parts]
+    streams = [None] * len(prompts)
+    for i, (_, part_streams) in enumerate(results):
+        streams[i::num_processes] = part_streams
+    return max(elapsed for elapsed, _ in results), streams
 
 
 def start_server(async_engine):
@@ -209,11 +233,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     server, thread, url = start_server(async_engine)
     # The client runs in its own process: in this one it would share the GIL with the server and the engine
     # and be counted as server cost.
-    client = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    num_processes = max(args.client_processes, 1)
+    client = concurrent.futures.ProcessPoolExecutor(num_processes, mp_context=multiprocessing.get_context("spawn"))
+    list(client.map(time.sleep, [0.5] * num_processes))  # start every client process before anything is timed
 
     def best_sse(prompts: list[list[int]], num_new: int) -> tuple[float, list[dict]]:
         client.submit(sse_client, url, prompts, num_new).result()  # warm-up: connections, staggered buckets
-        runs = (client.submit(sse_client, url, prompts, num_new, args.open_connections).result() for _ in range(args.reps))
+        runs = (sse_clients(client, min(num_processes, len(prompts)), url, prompts, num_new, args.open_connections)
+                for _ in range(args.reps))
         return min(runs, key=lambda r: r[0])
 
     try:
@@ -231,6 +258,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         thread.join(timeout=60)
     common = {"preset": args.preset, "model": args.model, "device": str(engine.device),
               "engine_options": args.engine_options, "open_connections": args.open_connections,
+              "client_processes": args.client_processes,
               "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,
@@ -292,6 +320,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--open-connections", action="store_true",
                         help="open the client's connections before each timed run (a pooled client, e.g. the openai "
                              "SDK's); by default each timed request opens its own")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="deal the streams over this many client processes that send at one instant (16: one "
+                             "per stream, like independent users); 1: one asyncio client sends them in turn")
     parser.add_argument("--json", default=None, help="append one JSON object per N")
     parser.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
                         help="an EngineConfig field, e.g. compile_prefill=true (repeatable)")

@@ -230,21 +230,23 @@ def test_sse_arrivals_script_times_every_request(capsys, unfreeze_gc):
     assert sse["gc_frozen_objects"] > 10_000  # start-up frozen for the GC after the warm-up, as serve does
 
 
-@pytest.mark.parametrize("open_connections", [False, True])
-def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections, unfreeze_gc):
-    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text,
-    with connections opened inside the timed run or before it."""
+@pytest.mark.parametrize("open_connections, client_processes", [(False, 1), (True, 1), (True, 3)])
+def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections, client_processes, unfreeze_gc):
+    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text
+    (in its own prompt's place), with connections opened inside the timed run or before it, from one client
+    process or one per stream sending together."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("httpx")
     import benchmarks.sse_delivery as module  # a package import, so the client process can import it too
     out = tmp_path / "sse.jsonl"
     argv = ["--preset", "tiny-moe", "--device", "cpu", "--streams", "1,3", "--max-tokens", "6", "--prompt-len", "8",
-            "--reps", "1", "--json", str(out)] + (["--open-connections"] if open_connections else [])
+            "--reps", "1", "--json", str(out), "--client-processes", str(client_processes)]
+    argv += ["--open-connections"] if open_connections else []
     assert module.main(argv) == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["streams"] for r in records] == [1, 3]
     for r in records:
-        assert r["open_connections"] is open_connections
+        assert r["open_connections"] is open_connections and r["client_processes"] == client_processes
         assert r["all_tokens_delivered"] and r["text_matches_engine"]
         assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
         rates = ("engine_tok_s", "async_tok_s", "sse_tok_s", "engine_steady_tok_s", "sse_steady_tok_s")
