@@ -147,12 +147,14 @@ if want gemv; then  # session 8: few-token GEMV as cuBLAS, inductor-autotuned or
   # at 71-74% of copy speed, 64 split-K reduce kernels per step)
   timeout 240 python3 benchmarks/gemv_forms.py --batches 1,4 2>&1 | grep '^{' | tee "$out/gemv_forms.jsonl" | cut -c1-600
 fi
-if want gemvab; then  # session 8: decode_gemv reduction (o_proj, down as one Triton reduction each) against blas,
-  for run in 1 2; do  # alternating on one machine, flex and the combined KV layout as in the target runs
-    for gemv in blas reduction; do
-      timeout 140 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
-        --engine-option decode_gemv=$gemv --json "$out/gemvab.jsonl" > "$out/gemvab-$gemv-$run.txt" 2>&1
-      echo "$gemv run $run"; grep -A2 "^ *B " "$out/gemvab-$gemv-$run.txt" || tail -5 "$out/gemvab-$gemv-$run.txt"
+if want gemvab; then  # session 8: decode_gemv reduction (o_proj, down as one Triton reduction each; inputs stored
+  # first since the first, slower run) and the autotuned batch-1 graph against blas, alternating on one machine,
+  for run in ${GEMVAB_RUNS:-1 2}; do  # flex and the combined KV layout as in the target runs
+    for variant in decode_gemv=blas decode_gemv=reduction decode_autotune_batch1=true; do
+      name=${variant#*_}; name=${name/=/-}
+      timeout 200 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --engine-option decode_attention=flex \
+        --engine-option $variant --json "$out/gemvab.jsonl" > "$out/gemvab-$name-$run.txt" 2>&1
+      echo "$variant run $run"; grep -A2 "^ *B " "$out/gemvab-$name-$run.txt" || tail -5 "$out/gemvab-$name-$run.txt"
     done
   done
 fi

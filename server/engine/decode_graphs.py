@@ -58,7 +58,7 @@ class DecodeGraphs:
 
     NUM_FIXED = 4  # input id, position, slot, feed row
 
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None, static_shapes: bool = False):
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None, static_shapes: bool = False, autotune_batch1: bool = False):
         self.decode_kernel = decode_kernel
         self.static_shapes = static_shapes
         self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
@@ -72,6 +72,14 @@ class DecodeGraphs:
         self.last_token_ids = torch.zeros(self.batch_sizes[-1], dtype=torch.int64, device=device)  # [max_num_seqs]
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
+        # Batch 1 alone through inductor's GEMM autotuning: on the H200 it picked Triton kernels faster than cuBLAS
+        # for the one-token qkv and o_proj (13.7 vs 15.4 us, 10.0 vs 12.5), but at 4 tokens one 44% slower (its
+        # timing keeps the weight in L2), so only batch 1 (docs/PERF.md session 8). A second compiled callable:
+        # dynamo keeps its graphs apart by backend.
+        self.compiled_one = self.compiled
+        if autotune_batch1:
+            self.compiled_one = torch.compile(self._forward, fullgraph=True, dynamic=None,
+                                              options={"max_autotune_gemm": True})
         if decode_kernel == "flex" or static_shapes:  # one graph per bucket (see _mark_shapes), within dynamo's limit
             num_graphs = len(self.batch_sizes) * (len(self.block_counts) if static_shapes else 1)
             limit = torch._dynamo.config.recompile_limit
@@ -111,10 +119,11 @@ class DecodeGraphs:
             self._mark_shapes(packed)
             if before_write is not None:
                 before_write()
+            compiled = self._compiled_for(key)
             if key in self._seen:
-                return self.compiled(packed, self.last_token_ids)
+                return compiled(packed, self.last_token_ids)
             start = time.perf_counter()
-            out = self.compiled(packed, self.last_token_ids)  # first call of this shape: compiles
+            out = compiled(packed, self.last_token_ids)  # first call of this shape: compiles
             self._seen.add(key)
             self.compile_seconds += time.perf_counter() - start
             return out
@@ -128,6 +137,9 @@ class DecodeGraphs:
             before_write()
         graph.replay()
         return static_out
+
+    def _compiled_for(self, key: tuple[int, int]):
+        return self.compiled_one if key[0] == 1 else self.compiled
 
     def _mark_shapes(self, packed: torch.Tensor) -> None:
         """Compile for every block-table width at once, and every batch size past 1 at once (torch specializes
@@ -149,14 +161,15 @@ class DecodeGraphs:
         saved_ids = self.last_token_ids.clone()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        compiled = self._compiled_for(key)
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile and warm up outside the capture
-                self.compiled(static_packed, self.last_token_ids)
+                compiled(static_packed, self.last_token_ids)
                 self.last_token_ids.copy_(saved_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            static_out = self.compiled(static_packed, self.last_token_ids)
+            static_out = compiled(static_packed, self.last_token_ids)
         self.graph_pool = graph.pool()
         self.graphs[key] = (graph, static_packed, static_out)
         self.compile_seconds += time.perf_counter() - start

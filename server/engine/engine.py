@@ -144,6 +144,7 @@ class Engine:
         return DecodeGraphs(
             self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
             self.config.decode_attention, state_cache=self.state_cache, static_shapes=self.config.decode_static_shapes,
+            autotune_batch1=self.config.decode_autotune_batch1,
         )
 
     def _wants_compiled_prefill(self) -> bool:

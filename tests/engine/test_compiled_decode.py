@@ -78,6 +78,27 @@ def test_reduction_gemv_decode_matches_eager(tiny_checkpoint):
         Engine.from_pretrained(str(path), **ENGINE_KW, decode_gemv="gemm")
 
 
+def test_autotuned_batch1_decode_graph_matches_eager(tiny_checkpoint):
+    """decode_autotune_batch1: batch 1 runs a second compiled callable (inductor GEMM autotuning), larger batches
+    the usual one; both give the eager tokens (fp32)."""
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", decode_autotune_batch1=True)
+    graphs = compiled.runner.decode_graphs
+    assert graphs.compiled_one is not graphs.compiled
+    batches = {"one": [], "rest": []}
+
+    def spy(name, fn):
+        return lambda packed, ids: batches[name].append(packed.shape[0]) or fn(packed, ids)
+
+    graphs.compiled_one, graphs.compiled = spy("one", graphs.compiled_one), spy("rest", graphs.compiled)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for prompts in ([random_ids(13, 4)], [random_ids(n, n) for n in (5, 9)]):
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        assert [o.token_ids for o in compiled.generate(prompts, params)] == want
+    assert set(batches["one"]) == {1} and set(batches["rest"]) == {2}
+
+
 @pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"),
                                            ("flex", "cannot run on cpu with torch .*; use 'sdpa'")])
 def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
