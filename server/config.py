@@ -39,7 +39,8 @@ class EngineConfig:
     # batch 1: 4.71 vs 4.75 ms per step end to end, docs/PERF.md session 8); "split": K and V caches apart
     kv_layout: str = "combined"
     # the compiled batch-1 decode step's GEMVs with out_features <= in_features (o_proj, down, ...): "blas"
-    # (F.linear) | "reduction" (one inductor reduction kernel; H200 Llama step 6.09 vs 4.71 ms). None: blas
+    # (F.linear) | "reduction" (one inductor reduction kernel; H200 Llama step 6.09 vs 4.71 ms before its input
+    # was stored first, not measured since). None: blas
     decode_gemv: str | None = None
     # the batch-1 decode graph through inductor's GEMM autotuning (slow first compile; A/B knob, not measured end
     # to end: alone, one-token qkv / o_proj went 15.4 -> 13.7 / 12.5 -> 10.0 us on the H200)
