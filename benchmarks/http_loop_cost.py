@@ -21,6 +21,7 @@ import multiprocessing
 import time
 
 import benchmarks.sse_delivery as sse
+from server.cli import freeze_startup_objects
 from server.engine.async_engine import AsyncEngine
 
 
@@ -85,6 +86,8 @@ def main() -> None:
     engine_args = sse.parse_args(["--preset", "tiny-moe", "--device", "cpu", "--streams", str(args.concurrency),
                                   "--engine-option", "compile=off"])
     async_engine = AsyncEngine(sse.build_engine(engine_args, 256), max_waiting_requests=4096)
+    async_engine.warm_up()
+    freeze_startup_objects()  # as serve does after its warm-up
     async_engine.start_thread()
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
