@@ -157,7 +157,9 @@ async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int, open_fi
             late = time.perf_counter() - start_at
             if late > 0:
                 raise RuntimeError(f"a client process was ready {1e3 * late:.1f} ms after the common start")
-            await asyncio.sleep(start_at - time.perf_counter())
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter() - 0.002))
+            while time.perf_counter() < start_at:  # the loop's timers are ms-coarse: spin the last 2 ms
+                pass
         start = time.perf_counter() if start_at is None else start_at
         streams = await asyncio.gather(*(_stream_one(client, url, p, max_tokens, start) for p in prompts))
     elapsed = max(s["end"] for s in streams)
