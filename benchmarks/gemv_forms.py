@@ -1,8 +1,9 @@
 """Few-token GEMV forms for the Llama-3.1-8B projections: cuBLAS behind `F.linear` (what the compiled decode
 step calls today), inductor's GEMM autotuning (Triton templates against cuBLAS), and the GEMV written as a
-multiply-and-sum that inductor lowers to one Triton reduction kernel (no split-K reduce kernel after it, and a
-norm before it can fuse in as a prologue). Session 4 put qkv and o_proj at 71-74% of copy speed against 93% for
-gate_up / down, plus 64 split-K reduce kernels per step: ~0.3 ms of a 4.6 ms Llama step.
+multiply-and-sum that inductor lowers to one Triton reduction kernel (no split-K reduce kernel after it); the
+norm_* forms put an RMSNorm before the GEMV, which inductor may fuse in. Session 4 put qkv and o_proj at 71-74% of
+copy speed against 93% for gate_up / down, plus 64 split-K reduce kernels per step: ~0.3 ms of a 4.6 ms Llama
+step. Results: docs/PERF.md, session 8.
 
     PYTHONPATH=. python3 benchmarks/gemv_forms.py [--batches 1,2,4] [--forms blas,reduction,...] [--device cpu]
 
@@ -78,10 +79,9 @@ def main() -> None:
     args = parser.parse_args()
     device, dtype = torch.device(args.device), torch.bfloat16
     calls = args.calls if device.type == "cuda" else 1
-    if device.type == "cuda":
-        print(json.dumps({"copy_gb_s": round(copy_bandwidth_gb_s(device, 1 << 30), 1),
-                          "torch": torch.__version__}), flush=True)
     copy = copy_bandwidth_gb_s(device, 1 << 30) if device.type == "cuda" else None
+    if copy is not None:
+        print(json.dumps({"copy_gb_s": round(copy, 1), "torch": torch.__version__}), flush=True)
     for shape, (out_features, in_features) in SHAPES.items():
         weights = [torch.randn(out_features, in_features, device=device, dtype=dtype) * 0.02 for _ in range(calls)]
         norm_weight = torch.rand(in_features, device=device, dtype=dtype) + 0.5
