@@ -25,7 +25,7 @@ from server.engine.async_engine import _Handle, _put_all
 from server.engine.types import StreamDelta
 
 
-async def run(num_streams: int, num_steps: int) -> float:
+async def run(num_streams: int, num_steps: int, keepalive_s: float | None = None) -> float:
     loop = asyncio.get_running_loop()
     owner = SimpleNamespace(_commands=queue.SimpleQueue(), _wakeup=threading.Event())
     handles = [_Handle(owner, SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=8), loop) for i in range(num_streams)]
@@ -35,7 +35,7 @@ async def run(num_streams: int, num_steps: int) -> float:
 
     async def consume(handle: _Handle) -> None:
         gen = Generation([Choice(0, 0, handle)], metrics, time.monotonic())
-        async for _, delta in gen.events(None):
+        async for _, delta in gen.events(keepalive_s):
             sse_data({"id": "cmpl-1", "object": "text_completion", "choices": [
                 {"index": 0, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason}]})
             done["tokens"] += 1
@@ -59,9 +59,12 @@ def main():
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--keepalive-s", type=float, default=5.0, help="serve's default; 0: no keepalive timer")
     args = parser.parse_args()
-    best = min(asyncio.run(run(args.streams, args.steps)) for _ in range(args.reps))
-    print(json.dumps({"streams": args.streams, "steps": args.steps, "us_per_token": round(best, 2)}))
+    keepalive_s = args.keepalive_s or None
+    best = min(asyncio.run(run(args.streams, args.steps, keepalive_s)) for _ in range(args.reps))
+    print(json.dumps({"streams": args.streams, "steps": args.steps, "keepalive_s": keepalive_s,
+                      "us_per_token": round(best, 2)}))
 
 
 if __name__ == "__main__":

@@ -108,3 +108,37 @@ def test_warm_up_runs_on_the_engine_thread_and_reports_its_result_or_error():
         asyncio.run(async_engine.shutdown())
     with pytest.raises(EngineError, match="shutting down"):
         async_engine.call(lambda: 1)
+
+
+def test_generation_keepalive_ticks_only_while_idle_and_its_timer_ends_with_the_stream():
+    """One keepalive timer per generation: KEEPALIVE after keepalive_s without an item (before the first token and
+    between tokens), none while tokens come faster than that, and no timer left once the stream ended."""
+    from server.api.generation import KEEPALIVE, Choice, Generation
+    from server.api.metrics import Metrics
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        handle, _ = make_handle(loop)
+        gen = Generation([Choice(0, 0, handle)], Metrics(lambda: None), loop.time())
+        events = []
+
+        async def consume():
+            async for item in gen.events(keepalive_s=0.1):
+                events.append("ka" if item is KEEPALIVE else item[1].text)
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.25)  # idle from the start: keepalives
+        for piece in "abcdefgh":  # one token every 5 ms: no keepalive among them
+            _put_all([(handle, delta(piece))])
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.25)  # idle between tokens: keepalives again
+        _put_all([(handle, delta("z", "stop"))])
+        await asyncio.wait_for(task, 5)
+        return events, gen._keepalive
+
+    events, timer = asyncio.run(run())
+    first, rest = events[: events.index("a")], events[events.index("a"):]
+    assert first and set(first) == {"ka"}
+    assert rest[:8] == list("abcdefgh") and rest[-1] == "z"
+    assert "ka" in rest[8:-1] and set(rest[8:-1]) == {"ka"}
+    assert timer is None
