@@ -73,7 +73,7 @@ class Generation:
         self._started_at = started_at
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
-        self._last_arrival = time.monotonic()  # the loop's clock: when the latest item was queued
+        self._last_arrival = time.monotonic()  # when the latest item was queued (asyncio's clock too)
         self._keepalive: asyncio.TimerHandle | None = None
 
     async def events(self, keepalive_s: float | None = None) -> AsyncIterator[tuple[Choice, StreamDelta] | None]:
@@ -110,9 +110,9 @@ class Generation:
             self._disarm_keepalive()
 
     def _arm_keepalive(self, keepalive_s: float) -> None:
-        """One timer per generation, re-armed for when the stream will have been idle for keepalive_s: a per-item
-        timeout (a timer set and cancelled for every token) cost ~5 us per token at 16 streams
-        (benchmarks/stream_path_cost.py)."""
+        """One timer per generation, re-armed for when the stream will have been idle for keepalive_s: a timeout
+        set and cancelled around every token's read cost 7-13 us per token at 16 streams on the CPU
+        (benchmarks/stream_path_cost.py, docs/PERF.md)."""
         loop = asyncio.get_running_loop()
         idle_s = time.monotonic() - self._last_arrival
         if idle_s >= keepalive_s:
