@@ -9,8 +9,11 @@
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if ls .whl/*.whl >/dev/null 2>&1; then  # httptools (compiled, manylinux_2_28) apart: uvicorn falls back to h11
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v httptools)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/httptools-*.whl 2>/dev/null || echo "httptools did not install: uvicorn runs on h11"
 fi
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 cases=" ${*:-all} "
