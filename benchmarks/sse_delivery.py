@@ -173,6 +173,13 @@ def sse_client(url: str, prompts: list[list[int]], max_tokens: int, open_first: 
     return asyncio.run(_sse_once(url, prompts, max_tokens, open_first, start_at))
 
 
+def _http_implementation() -> str:
+    """What uvicorn's http="auto" runs on: httptools when importable, else the pure-Python h11 (session 8)."""
+    import importlib.util
+
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
 def _client_ready() -> None:
     """A client process's initializer: this module (named by it) and httpx are imported before any timed run."""
     import httpx  # noqa: F401
@@ -265,7 +272,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         thread.join(timeout=60)
     common = {"preset": args.preset, "model": args.model, "device": str(engine.device),
               "engine_options": args.engine_options, "open_connections": args.open_connections,
-              "client_processes": args.client_processes,
+              "client_processes": args.client_processes, "http": _http_implementation(),
               "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,

@@ -247,6 +247,7 @@ def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections,
     assert [r["streams"] for r in records] == [1, 3]
     for r in records:
         assert r["open_connections"] is open_connections and r["client_processes"] == client_processes
+        assert r["http"] == "httptools"  # a dependency since session 8: uvicorn runs on it, not on h11
         assert r["client_late_ms"] == 0.0 if client_processes == 1 else r["client_late_ms"] < 50
         assert r["all_tokens_delivered"] and r["text_matches_engine"]
         assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
