@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "reduce", "flex"])
-    parser.add_argument("--decode-gemv", default=None, choices=["blas", "reduction"], help="default: the engine's")
+    parser.add_argument("--decode-gemv", default="blas", choices=["blas", "reduction"])
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
@@ -104,7 +104,7 @@ def main() -> None:
                  "us_each": round(1e3 * ms / n, 2), "ms_per_step": round(ms / steps, 4)} for name, (n, ms) in top]
     print(json.dumps({"shape": args.shape, "quantize": args.quantize, "graphs": args.graphs, "batch": args.batch,
                       "decode_attention": args.decode_attention,
-                      "decode_gemv": engine.decode_gemv, "top_kernels": top_rows,
+                      "decode_gemv": args.decode_gemv, "top_kernels": top_rows,
                       "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
                       "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),

@@ -39,13 +39,26 @@ class EngineConfig:
     # batch 1: 4.71 vs 4.75 ms per step end to end, docs/PERF.md session 8); "split": K and V caches apart
     kv_layout: str = "combined"
     # the compiled batch-1 decode step's GEMVs with out_features <= in_features (o_proj, down, ...): "blas"
-    # (F.linear) | "reduction" (one inductor reduction kernel; H200 Llama step 6.09 vs 4.71 ms before its input
-    # was stored first, not measured since). None: blas
-    decode_gemv: str | None = None
+    # (F.linear) | "reduction" (one inductor reduction kernel, an A/B knob: H200 Llama step 6.09 vs 4.71 ms before
+    # its input was stored first, not measured since; docs/PERF.md session 8)
+    decode_gemv: str = "blas"
     # the batch-1 decode graph through inductor's GEMM autotuning (slow first compile; A/B knob, not measured end
     # to end: alone, one-token qkv / o_proj went 15.4 -> 13.7 / 12.5 -> 10.0 us on the H200)
     decode_autotune_batch1: bool = False
     revision: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, choices in ENGINE_CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+
+
+# The EngineConfig fields that take one of a few names, checked once when a config is made.
+ENGINE_CHOICES = {
+    "decode_attention": ("sdpa", "reduce", "flex"),
+    "kv_layout": ("split", "combined"),
+    "decode_gemv": ("blas", "reduction"),
+}
 
 
 @dataclass(frozen=True)

@@ -20,13 +20,9 @@ log = logging.getLogger(__name__)
 NULL_BLOCK = 0
 
 
-DECODE_ATTENTION = ("sdpa", "reduce", "flex")
-
-
 def check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-    """A clear error for an unknown kind, or for flex where its compiled probe fails on this device and torch."""
-    if kind not in DECODE_ATTENTION:
-        raise ValueError(f"decode_attention={kind!r} is not one of {', '.join(DECODE_ATTENTION)}")
+    """A clear error for flex where its compiled probe fails on this device and torch (EngineConfig checks the
+    name)."""
     if kind == "flex":
         ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
         if not ok:

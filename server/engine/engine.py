@@ -40,7 +40,7 @@ from server.engine.types import (
 )
 from server.engine.weights import load_model, resolve_model_path
 from server.kernels.gated_delta import CHUNK_SIZE
-from server.kernels.linear import resolve_decode_gemv, use_reduction_gemv
+from server.kernels.linear import use_reduction_gemv
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,6 @@ class Engine:
         self.state_cache, state_slots = self._state_pool()  # hybrids only; see _num_kv_blocks for its memory
         num_blocks = self._num_kv_blocks(shapes)
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-        self.decode_gemv = resolve_decode_gemv(config.decode_gemv, device)
         self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout)
         self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
@@ -137,7 +136,7 @@ class Engine:
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
         check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
-        if self.decode_gemv == "reduction":
+        if self.config.decode_gemv == "reduction":
             log.info("one-token reduction GEMV for %d linears", len(use_reduction_gemv(self.model)))
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True

@@ -86,11 +86,7 @@ class KVCache:
     """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device: layout "split", a (K, V)
     pair per layer, or "combined", one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor (kernels.write_kv)."""
 
-    LAYOUTS = ("split", "combined")
-
     def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device, layout: str = "combined"):
-        if layout not in self.LAYOUTS:
-            raise ValueError(f"kv_layout={layout!r} is not one of {', '.join(self.LAYOUTS)}")
         self.num_blocks, self.block_size = num_blocks, block_size
 
         def layer(kv_heads: int, head_dim: int):

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DECODE_GEMV = ("blas", "reduction")
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, S, K] (decode: S = 1), weight [N, K], bias [N] -> [B, S, N]."""
@@ -27,18 +25,6 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
-
-
-def resolve_decode_gemv(choice: str | None, device: torch.device) -> str:
-    """None: "blas" everywhere. "reduction" is an A/B knob: alone it beat cuBLAS on the H200 (one token, Llama-3.1-8B
-    shapes: down 28.5 vs 31.8 us, o_proj 11.7 vs 12.5), but inside the decode step the Llama step went 4.71 -> 6.09
-    ms (docs/PERF.md session 8: the inputs' producers were recomputed inside the reductions); with the inputs
-    stored first (ReductionGemv.forward) it is not measured yet."""
-    if choice is None:
-        return "blas"
-    if choice not in DECODE_GEMV:
-        raise ValueError(f"decode_gemv={choice!r} is not one of {', '.join(DECODE_GEMV)}")
-    return choice
 
 
 class ReductionGemv:

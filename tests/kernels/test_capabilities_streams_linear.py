@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.config import EngineConfig
 from server.kernels.capabilities import Capabilities, Probe, capabilities
-from server.kernels.linear import ReductionGemv, linear, linear_reference, resolve_decode_gemv, use_reduction_gemv
+from server.kernels.linear import ReductionGemv, linear, linear_reference, use_reduction_gemv
 from server.kernels.streams import DeviceStreams
 
 
@@ -65,10 +66,13 @@ def test_decode_linear_fuses_bias_and_keeps_shape():
 
 
 def test_decode_gemv_choice_defaults_and_is_checked():
-    assert all(resolve_decode_gemv(None, torch.device(d)) == "blas" for d in ("cuda", "mps", "cpu"))
-    assert resolve_decode_gemv("reduction", torch.device("cuda")) == "reduction"
+    assert EngineConfig().decode_gemv == "blas"  # on every device: reduction is an opt-in A/B knob
+    assert EngineConfig(decode_gemv="reduction").decode_gemv == "reduction"
     with pytest.raises(ValueError, match="decode_gemv='gemm' is not one of blas, reduction"):
-        resolve_decode_gemv("gemm", torch.device("cpu"))
+        EngineConfig(decode_gemv="gemm")
+    for name, value, names in [("kv_layout", "paired", "split, combined"), ("decode_attention", "flash", "sdpa, reduce, flex")]:
+        with pytest.raises(ValueError, match=f"{name}='{value}' is not one of {names}"):
+            EngineConfig(**{name: value})
 
 
 def test_reduction_gemv_only_for_one_static_token_under_compile():
