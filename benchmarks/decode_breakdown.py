@@ -25,7 +25,7 @@ from benchmarks.decode_smoke import SHAPES, build
 from server.bench.measure import synchronize
 from server.bench.presets import load_preset
 from server.bench.random_model import build_random_model
-from server.config import EngineConfig
+from server.config import ENGINE_CHOICES, EngineConfig
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--graphs", default="1")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "reduce", "flex"])
+    parser.add_argument("--decode-attention", default="auto", choices=ENGINE_CHOICES["decode_attention"])
     parser.add_argument("--decode-gemv", default="blas", choices=["blas", "reduction"])
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The issue-5 measurements on the H200 (sessions 4-8), with
+# The issue-5 measurements on the H200 (sessions 4-9), with
 # timeouts that fit what each needs (batch-16 compile ~80 s, a 35B random build + compile ~3 min). Run on the GPU machine from the repo root, with the
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
-#   gemvab gemvbreak spans ssemulti,
+#   gemvab gemvbreak spans ssemulti auto,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -52,7 +52,7 @@ if want gdn; then  # session 5: which GDN decode form moves the state fastest
   timeout 200 python3 benchmarks/gdn_decode.py --batch 1 > "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl"
   timeout 200 python3 benchmarks/gdn_decode.py --batch 16 --layers 8 >> "$out/gdn.jsonl" 2>&1; grep '^{' "$out/gdn.jsonl" | tail -4
 fi
-if want warmup; then  # serve's warm-up with a cold, then a warm compile cache
+if want warmup; then  # serve's warm-up with a cold, then a warm compile cache (since session 9 it captures every KV bucket too)
   rm -rf /tmp/inductor-warmup
   for run in cold warm; do
     timeout 270 python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor-warmup 2>&1 \
@@ -177,4 +177,14 @@ if want ssemulti; then  # session 8: ssepool with one client process per stream,
   # independent users); one asyncio client sends its 16 requests over 6-10 ms (session 7's sse_arrivals)
   timeout 420 python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 16 --reps 3 --open-connections \
     --client-processes 16 --json "$out/sse-multi.jsonl" > "$out/sse-multi.txt" 2>&1; grep -v INFO "$out/sse-multi.txt" | tail -4
+fi
+if want auto; then  # session 9: decode_attention "auto" (the new default: flex in the batch-1 graph, sdpa beyond)
+  for run in 1 2; do  # against the explicit sdpa it replaced, alternating on one machine
+    for kind in auto sdpa; do
+      timeout 200 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --engine-option decode_attention=$kind \
+        --json "$out/auto.jsonl" > "$out/auto-$kind-$run.txt" 2>&1
+      echo "$kind run $run"; grep -A3 "^ *B " "$out/auto-$kind-$run.txt" || tail -5 "$out/auto-$kind-$run.txt"
+    done
+  done
+  grep -o '"decode_attention": {[^}]*}' "$out/auto.jsonl" | sort | uniq -c
 fi

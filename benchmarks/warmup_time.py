@@ -18,11 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+from server.config import ENGINE_CHOICES  # no torch: the cache directory is set before torch is imported
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3.1-8b")
-    parser.add_argument("--decode-attention", default="sdpa", choices=["sdpa", "reduce", "flex"])
+    parser.add_argument("--decode-attention", default="auto", choices=ENGINE_CHOICES["decode_attention"])
     parser.add_argument("--cache-dir", required=True, help="TORCHINDUCTOR_CACHE_DIR for this run")
     args = parser.parse_args(argv)
     cache = Path(args.cache_dir)

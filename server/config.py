@@ -24,8 +24,9 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step
-    # compiled decode: "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention, CUDA)
-    decode_attention: str = "sdpa"
+    # compiled decode: "auto" (flex at batch 1 on CUDA for attention-only models where its probe passes, else sdpa)
+    # | "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention at every batch, CUDA)
+    decode_attention: str = "auto"
     cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
     # one decode graph per (batch, blocks) bucket instead of symbolic sizes (a compile per bucket, only the first
     # block bucket warmed up). An A/B knob for the no-graph mode (MPS-like): H200 session 6, static 49.5% of roofline
@@ -40,10 +41,10 @@ class EngineConfig:
     kv_layout: str = "combined"
     # the compiled batch-1 decode step's GEMVs with out_features <= in_features (o_proj, down, ...): "blas"
     # (F.linear) | "reduction" (one inductor reduction kernel, an A/B knob: H200 Llama step 6.09 vs 4.71 ms before
-    # its input was stored first, not measured since; docs/PERF.md session 8)
+    # its input was stored first; 4.69 vs 4.66 ms since, docs/PERF.md sessions 8-9)
     decode_gemv: str = "blas"
-    # the batch-1 decode graph through inductor's GEMM autotuning (slow first compile; A/B knob, not measured end
-    # to end: alone, one-token qkv / o_proj went 15.4 -> 13.7 / 12.5 -> 10.0 us on the H200)
+    # the batch-1 decode graph through inductor's GEMM autotuning (A/B knob: alone, one-token qkv / o_proj went
+    # 15.4 -> 13.7 / 12.5 -> 10.0 us on the H200, but the whole step went 4.66 -> 5.35 ms; docs/PERF.md session 9)
     decode_autotune_batch1: bool = False
     revision: str | None = None
 
@@ -55,7 +56,7 @@ class EngineConfig:
 
 # The EngineConfig fields that take one of a few names, checked once when a config is made.
 ENGINE_CHOICES = {
-    "decode_attention": ("sdpa", "reduce", "flex"),
+    "decode_attention": ("auto", "sdpa", "reduce", "flex"),
     "kv_layout": ("split", "combined"),
     "decode_gemv": ("blas", "reduction"),
 }

@@ -151,6 +151,7 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
         "compile_prefill": engine.compile_prefill,  # the config's None resolved for this device and model
+        "decode_attention": _decode_attention(engine),  # "auto" resolved likewise
     }
     total = report.gigabytes(info["weight_bytes_total"])
     progress.write(f"built {target.name} in {build_s:.1f} s: {total} of weights, "
@@ -164,6 +165,11 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
     for batch in prompts.values():
         measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
     return series, weights, info
+
+
+def _decode_attention(engine) -> dict[str, str] | None:
+    graphs = engine.runner.decode_graphs
+    return None if graphs is None else {"batch_1": graphs.batch1_kernel, "batch_2_up": graphs.decode_kernel}
 
 
 def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max_len: int):

@@ -20,15 +20,26 @@ log = logging.getLogger(__name__)
 NULL_BLOCK = 0
 
 
-def check_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int) -> None:
-    """A clear error for flex where its compiled probe fails on this device and torch (EngineConfig checks the
-    name)."""
+def resolve_decode_attention(kind: str, device: torch.device, dtype: torch.dtype, block_size: int,
+                             attention_only: bool) -> tuple[str, str]:
+    """-> (the batch-1 step's decode attention, larger batches'). "auto": flex for batch 1 where it was measured
+    faster (CUDA, attention-only models: 75.9% of roofline vs ~71% with sdpa on the H200, docs/PERF.md) and its
+    compiled probe passes here, sdpa otherwise. Batch 1 compiles apart anyway (size-1 specialization), so this costs
+    no extra compile, whereas flex for every batch compiles once per batch bucket. A clear error for "flex" where
+    the probe fails (EngineConfig checks the name)."""
+    if kind == "auto":
+        if device.type != "cuda" or not attention_only:
+            return "sdpa", "sdpa"
+        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
+        log.info("decode attention auto: %s at batch 1 (flex probe: %s), sdpa beyond", "flex" if ok else "sdpa", reason)
+        return ("flex" if ok else "sdpa"), "sdpa"
     if kind == "flex":
         ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
         if not ok:
             raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
                              f"{reason}; use 'sdpa'")
         log.info("flex decode attention on %s: %s", device, reason)
+    return kind, kind
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -54,8 +65,9 @@ class DecodeGraphs:
 
     NUM_FIXED = 4  # input id, position, slot, feed row
 
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None, static_shapes: bool = False, autotune_batch1: bool = False):
-        self.decode_kernel = decode_kernel
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, decode_kernel: str = "sdpa", state_cache=None, static_shapes: bool = False, autotune_batch1: bool = False, batch1_kernel: str | None = None):
+        self.decode_kernel = decode_kernel  # the decode attention of batches >= 2
+        self.batch1_kernel = batch1_kernel or decode_kernel
         self.static_shapes = static_shapes
         self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
         self.num_fixed = self.NUM_FIXED + (state_cache is not None)
@@ -68,10 +80,9 @@ class DecodeGraphs:
         self.last_token_ids = torch.zeros(self.batch_sizes[-1], dtype=torch.int64, device=device)  # [max_num_seqs]
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
-        # Batch 1 alone through inductor's GEMM autotuning: on the H200 it picked Triton kernels faster than cuBLAS
-        # for the one-token qkv and o_proj (13.7 vs 15.4 us, 10.0 vs 12.5), but at 4 tokens one 44% slower (its
-        # timing keeps the weight in L2), so only batch 1 (docs/PERF.md session 8). A second compiled callable:
-        # dynamo keeps its graphs apart by backend.
+        # Batch 1 alone through inductor's GEMM autotuning (an A/B knob): alone, its Triton kernels beat cuBLAS for
+        # the one-token qkv and o_proj on the H200 (13.7 vs 15.4 us, 10.0 vs 12.5), yet the whole step got slower
+        # (5.35 vs 4.66 ms, docs/PERF.md session 9). A second compiled callable: dynamo keeps graphs apart by backend.
         self.compiled_one = self.compiled
         if autotune_batch1:
             self.compiled_one = torch.compile(self._forward, fullgraph=True, dynamic=None,
@@ -88,6 +99,26 @@ class DecodeGraphs:
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
+    def padding_row(self, num_blocks: int) -> list[int]:
+        """A row that fills a bucket: it reads and writes the null block (and, in hybrids, the scratch state)."""
+        state = [self.state_cache.scratch_slot] if self.state_cache is not None else []
+        return [0, 0, NULL_BLOCK * 0, -1] + state + [NULL_BLOCK] * num_blocks  # id, position, slot 0 of it, no feed
+
+    @torch.inference_mode()  # as the steps' own inputs: else the CPU graphs differ in dispatch keys and recompile
+    def prepare_shapes(self, max_gather_blocks: int) -> int:
+        """Capture (CUDA graphs) or compile (static shapes) now every (batch, blocks) bucket whose KV gather, batch
+        x blocks, stays within `max_gather_blocks`, instead of when a stream first reaches it: on the H200 such a
+        capture stalled every stream of a batch for ~88 ms (docs/PERF.md session 9). Steps of padding rows only.
+        Symbolic shapes without graphs (MPS) need none of it. -> the number of new shapes."""
+        if not (self.use_graphs or self.static_shapes):
+            return 0
+        keys = [(b, n) for b in self.batch_sizes for n in self.block_counts
+                if b * n <= max_gather_blocks and (b, n) not in self.graphs and (b, n) not in self._seen]
+        for num_seqs, num_blocks in keys:
+            packed_host = torch.tensor([self.padding_row(num_blocks)] * num_seqs, dtype=torch.int64)
+            self.run(packed_host.pin_memory() if self.use_graphs else packed_host)
+        return len(keys)
+
     def _forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         input_ids, positions, slot_mapping, feed_rows = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]
         fed_ids = last_token_ids[feed_rows.clamp(min=0)]
@@ -97,7 +128,10 @@ class DecodeGraphs:
         if self.state_cache is not None:
             state = dict(query_lens=torch.ones_like(positions), state_slots=packed[:, self.NUM_FIXED],
                          state_caches=self.state_cache.layers)
-        meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, self.decode_kernel,
+        # Batch 1 is its own graph (static size 1); larger batches share one symbolic batch size, assumed >= 2 by
+        # dynamo, so this test adds no guard.
+        kernel = self.batch1_kernel if packed.shape[0] == 1 else self.decode_kernel
+        meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, kernel,
                                             self.kv_layers[0], **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32

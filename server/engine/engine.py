@@ -20,7 +20,7 @@ import torch
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
-from server.engine.decode_graphs import DecodeGraphs, check_decode_attention
+from server.engine.decode_graphs import DecodeGraphs, resolve_decode_attention
 from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner, SampledToken
 from server.engine.request import Request
@@ -135,15 +135,16 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
-        check_decode_attention(self.config.decode_attention, self.device, self.dtype, self.config.block_size)
+        batch1_kernel, kernel = resolve_decode_attention(self.config.decode_attention, self.device, self.dtype,
+                                                         self.config.block_size, self.state_cache is None)
         if self.config.decode_gemv == "reduction":
             log.info("one-token reduction GEMV for %d linears", len(use_reduction_gemv(self.model)))
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
         return DecodeGraphs(
             self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
-            self.config.decode_attention, state_cache=self.state_cache, static_shapes=self.config.decode_static_shapes,
-            autotune_batch1=self.config.decode_autotune_batch1,
+            kernel, state_cache=self.state_cache, static_shapes=self.config.decode_static_shapes,
+            autotune_batch1=self.config.decode_autotune_batch1, batch1_kernel=batch1_kernel,
         )
 
     def _wants_compiled_prefill(self) -> bool:
@@ -346,7 +347,8 @@ class Engine:
         """Compile (and capture) the compiled steps before serving, so that no request waits for them; returns
         the seconds taken. Decode: one run per batch bucket (sdpa/reduce compile batch 1 and then one graph for
         larger batches, whose later buckets only capture CUDA graphs unless a size guard differs, as MoE's
-        few-tokens path does; flex compiles each bucket). With compile_prefill, also the prefill forms (a fresh
+        few-tokens path does; flex beyond batch 1 compiles each bucket), then the CUDA graphs of the longer KV
+        buckets (DecodeGraphs.prepare_shapes). With compile_prefill, also the prefill forms (a fresh
         prompt alone, fresh prompts together, continued chunks and mixes), each with few and with many tokens.
         A no-op when nothing is compiled (the CPU default)."""
         graphs = self.runner.decode_graphs
@@ -369,8 +371,10 @@ class Engine:
                              for i in range(num_prompts)])
         for prompts in runs:
             self._run_to_completion([self.make_request(p, replace(params)) for p in prompts])
+        # Every decode bucket whose KV gather fits in the cache: at most one layer's share of the KV memory.
+        num_shapes = graphs.prepare_shapes(self.allocator.num_usable) if graphs is not None else 0
         seconds = time.perf_counter() - start
-        log.info("compiled steps warmed up (%d runs) in %.1f s", len(runs), seconds)
+        log.info("compiled steps warmed up (%d runs, %d more decode shapes) in %.1f s", len(runs), num_shapes, seconds)
         return seconds
 
     def _run_to_completion(self, requests: list[Request]) -> list[RequestOutput]:

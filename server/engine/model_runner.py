@@ -200,8 +200,7 @@ class ModelRunner:
             fixed = [max(token_id, 0), pos, slot, feed_row] + ([state_slots[row]] if state_slots is not None else [])
             table = request.block_ids[: pos // block_size + 1]
             packed.append(fixed + table + [0] * (padded_blocks - len(table)))
-        padding = [0, 0, 0, -1] + ([self.state_cache.scratch_slot] if state_slots is not None else []) + [0] * padded_blocks
-        packed.extend([padding] * (padded_seqs - len(chunks)))
+        packed.extend([graphs.padding_row(padded_blocks)] * (padded_seqs - len(chunks)))
         host = torch.tensor(packed, dtype=torch.int64)  # [B_pad, num_fixed + blocks_pad]
         if self.device.type == "cuda":
             host = host.pin_memory()

@@ -56,7 +56,7 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's slot in the state pool
     state_caches: list[tuple[torch.Tensor, ...]] | None = None  # per state layer: tensors [num_slots, ...]
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
-    decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA) or "reduce" (fused gather)
+    decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA), "reduce" (fused gather), "flex"
     decode_block_mask: Any = None  # compiled decode with decode_kernel "flex": the step's FlexAttention BlockMask
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
 

@@ -99,7 +99,35 @@ def test_autotuned_batch1_decode_graph_matches_eager(tiny_checkpoint):
     assert set(batches["one"]) == {1} and set(batches["rest"]) == {2}
 
 
-@pytest.mark.parametrize("kind, message", [("flash", "is not one of sdpa, reduce, flex"),
+def test_batch1_decode_attention_is_chosen_apart(tiny_checkpoint, monkeypatch):
+    """decode_attention "auto" gives the batch-1 graph its own attention (flex on CUDA, sdpa on the CPU): the batch-1
+    step traces batch1_kernel, larger batches decode_kernel, and both give the eager tokens (fp32). On the CPU,
+    where flex does not compile, "reduce" (no SDPA in the graph) stands in for it."""
+    import torch
+
+    traced = []  # (batch, SDPA in the graph) per graph dynamo hands to the backend
+
+    def backend(graph_module, example_inputs):
+        packed = next(t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2)
+        traced.append((packed.shape[0], "scaled_dot_product_attention" in graph_module.code))
+        return graph_module.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": backend}))
+    path, _ = tiny_checkpoint("llama")
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    graphs = compiled.runner.decode_graphs
+    assert (graphs.batch1_kernel, graphs.decode_kernel) == ("sdpa", "sdpa")  # "auto" off CUDA
+    graphs.batch1_kernel = "reduce"
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for prompts in ([random_ids(13, 4)], [random_ids(n, n) for n in (5, 9)]):
+        want = [o.token_ids for o in eager.generate(prompts, params)]
+        assert [o.token_ids for o in compiled.generate(prompts, params)] == want
+    assert set(traced) == {(1, False), (2, True)}, traced
+
+
+@pytest.mark.parametrize("kind, message", [("flash", "is not one of auto, sdpa, reduce, flex"),
                                            ("flex", "cannot run on cpu with torch .*; use 'sdpa'")])
 def test_decode_attention_choice_is_checked(kind, message, tiny_checkpoint):
     path, _ = tiny_checkpoint("llama")
@@ -188,3 +216,49 @@ def test_compile_prefill_default(device, decode_compiled, hybrid, quantization, 
         state_cache=object() if hybrid else None,
     )
     assert Engine._wants_compiled_prefill(engine) is expected
+
+
+def test_auto_decode_attention_resolves_per_device_and_model(monkeypatch):
+    """"auto": flex at batch 1 only on CUDA, for attention-only models, where the compiled probe passes (it is not
+    run elsewhere); sdpa otherwise and for larger batches. A named kind applies to every batch."""
+    import torch
+
+    from server.engine import decode_graphs
+
+    probes = []
+    verdict = [(True, "compiled and right")]
+    monkeypatch.setattr(decode_graphs.flex_decode, "probe_compiled", lambda *a: probes.append(a) or verdict[0])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    resolve = decode_graphs.resolve_decode_attention
+    assert resolve("auto", cuda, torch.bfloat16, 16, True) == ("flex", "sdpa")
+    assert resolve("auto", cuda, torch.bfloat16, 16, False) == ("sdpa", "sdpa")  # hybrid: not measured with flex
+    assert resolve("auto", cpu, torch.float32, 16, True) == ("sdpa", "sdpa")
+    assert probes == [("cuda", torch.bfloat16, 16)]
+    assert resolve("reduce", cpu, torch.float32, 16, True) == ("reduce", "reduce")
+    assert resolve("flex", cuda, torch.bfloat16, 16, False) == ("flex", "flex")
+    verdict[0] = (False, "compiling it failed: RuntimeError: no kernel")
+    assert resolve("auto", cuda, torch.bfloat16, 16, True) == ("sdpa", "sdpa")
+    with pytest.raises(ValueError, match="decode_attention='flex' cannot run on cuda .*no kernel; use 'sdpa'"):
+        resolve("flex", cuda, torch.bfloat16, 16, True)
+
+
+def test_decode_shapes_prepared_before_serving(tiny_checkpoint):
+    """prepare_shapes compiles (static shapes; on CUDA: captures) every (batch, blocks) bucket whose KV gather fits
+    the bound, with padding rows only; later steps of those shapes trace nothing new and give the eager tokens, and
+    warm_up prepares up to the KV cache's size."""
+    from torch._dynamo.utils import counters
+
+    path, _ = tiny_checkpoint("llama")
+    kw = {**ENGINE_KW, "max_num_seqs": 2, "max_model_len": 32}  # batches 1, 2 x blocks 4, 8 (block_size 4)
+    eager = Engine.from_pretrained(str(path), **kw, compile="off")
+    compiled = Engine.from_pretrained(str(path), **kw, compile="on", decode_static_shapes=True)
+    graphs = compiled.runner.decode_graphs
+    assert (graphs.batch_sizes, graphs.block_counts) == ([1, 2], [4, 8])
+    assert graphs.prepare_shapes(8) == 3 and graphs._seen == {(1, 4), (1, 8), (2, 4)}  # 2 x 8 blocks: past 8
+    graphs_before = counters["stats"]["unique_graphs"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for prompts in ([random_ids(20, 1)], [random_ids(n, n) for n in (3, 6)]):  # 1 x 8 blocks, then 2 x 4
+        assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert counters["stats"]["unique_graphs"] == graphs_before and len(graphs._seen) == 3
+    assert compiled.allocator.num_usable >= 16 and compiled.warm_up() > 0
+    assert graphs._seen == {(1, 4), (1, 8), (2, 4), (2, 8)} and not compiled.has_unfinished

@@ -70,7 +70,7 @@ def test_decode_gemv_choice_defaults_and_is_checked():
     assert EngineConfig(decode_gemv="reduction").decode_gemv == "reduction"
     with pytest.raises(ValueError, match="decode_gemv='gemm' is not one of blas, reduction"):
         EngineConfig(decode_gemv="gemm")
-    for name, value, names in [("kv_layout", "paired", "split, combined"), ("decode_attention", "flash", "sdpa, reduce, flex")]:
+    for name, value, names in [("kv_layout", "paired", "split, combined"), ("decode_attention", "flash", "auto, sdpa, reduce, flex")]:
         with pytest.raises(ValueError, match=f"{name}='{value}' is not one of {names}"):
             EngineConfig(**{name: value})
 
