@@ -262,3 +262,5 @@ def test_decode_shapes_prepared_before_serving(tiny_checkpoint):
     assert counters["stats"]["unique_graphs"] == graphs_before and len(graphs._seen) == 3
     assert compiled.allocator.num_usable >= 16 and compiled.warm_up() > 0
     assert graphs._seen == {(1, 4), (1, 8), (2, 4), (2, 8)} and not compiled.has_unfinished
+    symbolic = Engine.from_pretrained(str(path), **kw, compile="on")  # no graphs, symbolic sizes: as on MPS
+    assert symbolic.runner.decode_graphs.prepare_shapes(10**6) == 0 and not symbolic.runner.decode_graphs._seen
