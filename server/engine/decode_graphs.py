@@ -102,7 +102,7 @@ class DecodeGraphs:
     def padding_row(self, num_blocks: int) -> list[int]:
         """A row that fills a bucket: it reads and writes the null block (and, in hybrids, the scratch state)."""
         state = [self.state_cache.scratch_slot] if self.state_cache is not None else []
-        return [0, 0, NULL_BLOCK * 0, -1] + state + [NULL_BLOCK] * num_blocks  # id, position, slot 0 of it, no feed
+        return [0, 0, 0, -1] + state + [NULL_BLOCK] * num_blocks  # id 0, position 0, slot 0 (the null block's), no feed
 
     @torch.inference_mode()  # as the steps' own inputs: else the CPU graphs differ in dispatch keys and recompile
     def prepare_shapes(self, max_gather_blocks: int) -> int:

@@ -371,7 +371,8 @@ class Engine:
                              for i in range(num_prompts)])
         for prompts in runs:
             self._run_to_completion([self.make_request(p, replace(params)) for p in prompts])
-        # Every decode bucket whose KV gather fits in the cache: at most one layer's share of the KV memory.
+        # Every decode bucket whose KV gather (batch x blocks, one layer at a time) is no larger than the cache's
+        # usable blocks: a bounded share of memory, where capturing every bucket up to 128k context would not be.
         num_shapes = graphs.prepare_shapes(self.allocator.num_usable) if graphs is not None else 0
         seconds = time.perf_counter() - start
         log.info("compiled steps warmed up (%d runs, %d more decode shapes) in %.1f s", len(runs), num_shapes, seconds)
