@@ -4,7 +4,7 @@
 # server wheels carried as `.whl` (see the device README); results land in $OUT (or ./out).
 #   bash benchmarks/h200_pending.sh CASE... (decode sse flex16 sse512 qwen36 gdn warmup prefill kvwrite nographs
 #   ssecp llama3 qwen36e2e arrivals arrivalsmain qwen36cp nostatic ssepool sdpa nographsattn autotune kvlayout gemv
-#   gemvab gemvbreak spans ssemulti auto,
+#   gemvab gemvbreak spans ssemulti auto autoqwen,
 #   or all)
 set -u
 out=${OUT:-out}
@@ -187,4 +187,11 @@ if want auto; then  # session 9: decode_attention "auto" (the new default: flex 
     done
   done
   grep -o '"decode_attention": {[^}]*}' "$out/auto.jsonl" | sort | uniq -c
+fi
+if want autoqwen; then  # session 9: "auto" puts flex in the batch-1 graph of Qwen3-MoE too (measured on Llama only)
+  for kind in auto sdpa; do
+    timeout 250 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --engine-option decode_attention=$kind \
+      --json "$out/autoqwen.jsonl" > "$out/autoqwen-$kind.txt" 2>&1
+    echo "$kind"; grep -A2 "^ *B " "$out/autoqwen-$kind.txt" || tail -5 "$out/autoqwen-$kind.txt"
+  done
 fi
