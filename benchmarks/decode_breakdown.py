@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--decode-attention", default="auto", choices=ENGINE_CHOICES["decode_attention"])
-    parser.add_argument("--decode-gemv", default="blas", choices=["blas", "reduction"])
+    parser.add_argument("--decode-gemv", default="blas", choices=ENGINE_CHOICES["decode_gemv"])
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
