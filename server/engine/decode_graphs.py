@@ -27,19 +27,19 @@ def resolve_decode_attention(kind: str, device: torch.device, dtype: torch.dtype
     compiled probe passes here, sdpa otherwise. Batch 1 compiles apart anyway (size-1 specialization), so this costs
     no extra compile, whereas flex for every batch compiles once per batch bucket. A clear error for "flex" where
     the probe fails (EngineConfig checks the name)."""
+    if kind in ("sdpa", "reduce"):
+        return kind, kind
+    if kind == "auto" and (device.type != "cuda" or not attention_only):
+        return "sdpa", "sdpa"
+    ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
     if kind == "auto":
-        if device.type != "cuda" or not attention_only:
-            return "sdpa", "sdpa"
-        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
         log.info("decode attention auto: %s at batch 1 (flex probe: %s), sdpa beyond", "flex" if ok else "sdpa", reason)
         return ("flex" if ok else "sdpa"), "sdpa"
-    if kind == "flex":
-        ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
-        if not ok:
-            raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
-                             f"{reason}; use 'sdpa'")
-        log.info("flex decode attention on %s: %s", device, reason)
-    return kind, kind
+    if not ok:
+        raise ValueError(f"decode_attention='flex' cannot run on {device.type} with torch {torch.__version__}: "
+                         f"{reason}; use 'sdpa'")
+    log.info("flex decode attention on %s: %s", device, reason)
+    return "flex", "flex"
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
