@@ -1,6 +1,6 @@
 """Per-token decode time by kind of kernel, kernels launched per step, and the gaps between them.
 
-    PYTHONPATH=. python3 benchmarks/decode_breakdown.py --shape qwen3-30b-a3b [--graphs 0]
+    PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b [--graphs 0]
     PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset qwen3.6-35b-a3b [--quantize fp8]
 
 Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler
@@ -21,11 +21,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.decode_smoke import SHAPES, build
 from server.bench.measure import synchronize
 from server.bench.presets import load_preset
 from server.bench.random_model import build_random_model
-from server.config import ENGINE_CHOICES, EngineConfig
+from server.config import EngineConfig
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 
@@ -36,7 +35,6 @@ CATEGORIES = [  # (name, pattern on the kernel name), first match wins
     ("kv write", r"index_put|index_copy"),
     ("attention", r"attention|sdpa|fmha|flash|_efficient_|softmax.*(bitwise|masked)|masked_fill"),
     ("moe routing", r"topk|sort|searchsorted|sigmoid.*add|softmax"),
-    ("gemv (reduction)", r"(red|per)_fused.*mul.*_sum"),  # decode_gemv="reduction": o_proj, down, ...
     ("gemm / gemv", r"nvjet|gemm|gemv|cutlass|splitK|cublas|sm90_xmma|mm_"),
     ("norms / rope / act", r"rsqrt|mean|cos|sin|silu|mul|add"),
     ("sampling", r"argmax|exponential|log|cumsum|scatter"),
@@ -53,28 +51,20 @@ def classify(name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    parser.add_argument("--preset", default=None, help="configs/presets/NAME.toml instead of --shape (any model)")
-    parser.add_argument("--quantize", default=None, choices=["fp8"], help="with --preset")
+    parser.add_argument("--preset", default="qwen3-30b-a3b", help="a bench preset name or .toml path")
+    parser.add_argument("--quantize", default=None, choices=["fp8"])
     parser.add_argument("--graphs", default="1")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--decode-attention", default="auto", choices=ENGINE_CHOICES["decode_attention"])
-    parser.add_argument("--decode-gemv", default="blas", choices=ENGINE_CHOICES["decode_gemv"])
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if args.preset:
-        args.shape = args.preset
-        hf_config = load_preset(args.preset).hf_config
-        model = build_random_model(hf_config, device, torch.bfloat16, quantization=args.quantize)
-    else:
-        model = build(args.shape, device, torch.bfloat16)
-    config = EngineConfig(model=args.shape, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
+    hf_config = load_preset(args.preset).hf_config
+    model = build_random_model(hf_config, device, torch.bfloat16, quantization=args.quantize)
+    config = EngineConfig(model=args.preset, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
-                          cuda_graphs=args.graphs == "1", decode_attention=args.decode_attention,
-                          decode_gemv=args.decode_gemv)
+                          cuda_graphs=args.graphs == "1")
     engine = Engine.from_model(model, config, device)
     prompts = [list(range(1, 129))] * args.batch
     engine.generate(prompts, SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True))  # compile, capture
@@ -102,9 +92,8 @@ def main() -> None:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]
     top_rows = [{"kernel": name[:110], "category": classify(name), "per_step": round(n / steps, 2),
                  "us_each": round(1e3 * ms / n, 2), "ms_per_step": round(ms / steps, 4)} for name, (n, ms) in top]
-    print(json.dumps({"shape": args.shape, "quantize": args.quantize, "graphs": args.graphs, "batch": args.batch,
-                      "decode_attention": args.decode_attention,
-                      "decode_gemv": args.decode_gemv, "top_kernels": top_rows,
+    print(json.dumps({"preset": args.preset, "quantize": args.quantize, "graphs": args.graphs, "batch": args.batch,
+                      "top_kernels": top_rows,
                       "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
                       "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),

@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from server.kernels import compat, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.fp8 import fp8_linear, quantize_activation, quantize_fp8_rowwise
-from server.kernels.linear import linear
 
 ROTATE_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
 GEMV_SHAPES = [(2048, 2048), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -118,7 +117,7 @@ def bench_gemv_shape(num_out: int, num_in: int, copy_gbps: float, rows: list[dic
     x_fp8, x_scale = quantize_activation(x)
     ref = x.float().view(1, -1) @ weights[0].float().t()
     variants = {
-        "bf16 F.linear": (lambda i: linear(x, weights[i % copies]), bf16_bytes),
+        "bf16 F.linear": (lambda i: F.linear(x, weights[i % copies]), bf16_bytes),
         "fp8 fp8_linear (x quantized once, outside)": (
             lambda i: fp8_linear(x_fp8, x_scale, *quant[i % copies], None, torch.bfloat16),
             fp8_bytes,

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled")
     info.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
     info.add_argument("--compile-probes", action="store_true",
-                      help="also compile and check the compiled-only paths (decode_attention=flex)")
+                      help="also compile and check the compiled-only paths (flex decode attention)")
     return parser
 
 

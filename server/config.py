@@ -24,42 +24,24 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5
     enable_prefix_caching: bool = True
     compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step
-    # compiled decode: "auto" (flex at batch 1 on CUDA for attention-only models where its probe passes, else sdpa)
-    # | "sdpa" (gather then SDPA) | "reduce" (gather fused by inductor) | "flex" (FlexAttention at every batch, CUDA)
-    decode_attention: str = "auto"
-    cuda_graphs: bool | None = None  # None: replay the compiled decode step as CUDA graphs where available
-    # one decode graph per (batch, blocks) bucket instead of symbolic sizes (a compile per bucket, only the first
-    # block bucket warmed up). An A/B knob for the no-graph mode (MPS-like): H200 session 6, static 49.5% of roofline
-    # vs 30.1% symbolic in another call, but equal (1.04 vs 1.03 ms) with 2 layers in one call: unsettled
-    decode_static_shapes: bool = False
-    # prefill and mixed steps through torch.compile(dynamic=True) too: fewer launches, no per-op dispatch (H200:
-    # prefill 1.8x, docs/PERF.md). None: on with the compiled decode step on CUDA for bf16/fp16 attention-only
-    # models; off for hybrids (minutes of cold compile), FP8 and on MPS until measured there
+    # None: replay the compiled decode step as CUDA graphs where the device has them; False runs it as MPS
+    # does (every kernel dispatched from the host), for measurement
+    cuda_graphs: bool | None = None
+    # prefill and mixed steps through torch.compile(dynamic=True) too. None: on with the compiled decode step
+    # on CUDA for bf16/fp16 attention-only models, where it is measured faster (docs/PERF.md); elsewhere eager
     compile_prefill: bool | None = None
-    # "combined": one [blocks, block, 2, kv_heads, head_dim] tensor per layer, written by one scatter (H200, Llama
-    # batch 1: 4.71 vs 4.75 ms per step end to end, docs/PERF.md session 8); "split": K and V caches apart
-    kv_layout: str = "combined"
-    # the compiled batch-1 decode step's GEMVs with out_features <= in_features (o_proj, down, ...): "blas"
-    # (F.linear) | "reduction" (one inductor reduction kernel, an A/B knob: H200 Llama step 6.09 vs 4.71 ms before
-    # its input was stored first; 4.69 vs 4.66 ms since, docs/PERF.md sessions 8-9)
-    decode_gemv: str = "blas"
-    # the batch-1 decode graph through inductor's GEMM autotuning (A/B knob: alone, one-token qkv / o_proj went
-    # 15.4 -> 13.7 / 12.5 -> 10.0 us on the H200, but the whole step went 4.66 -> 5.35 ms; docs/PERF.md session 9)
-    decode_autotune_batch1: bool = False
     revision: str | None = None
 
     def __post_init__(self) -> None:
-        for name, choices in ENGINE_CHOICES.items():
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {', '.join(choices)}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.quantization in ("none", ""):  # one spelling for "no quantization" from here on
+            object.__setattr__(self, "quantization", None)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
 
 
-# The EngineConfig fields that take one of a few names, checked once when a config is made.
-ENGINE_CHOICES = {
-    "decode_attention": ("auto", "sdpa", "reduce", "flex"),
-    "kv_layout": ("split", "combined"),
-    "decode_gemv": ("blas", "reduction"),
-}
+COMPILE_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,7 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
         "compile_prefill": engine.compile_prefill,  # the config's None resolved for this device and model
-        "decode_attention": _decode_attention(engine),  # "auto" resolved likewise
+        "decode_attention": _decode_attention(engine),  # which attention each decode graph runs
     }
     total = report.gigabytes(info["weight_bytes_total"])
     progress.write(f"built {target.name} in {build_s:.1f} s: {total} of weights, "
@@ -169,7 +169,7 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
 
 def _decode_attention(engine) -> dict[str, str] | None:
     graphs = engine.runner.decode_graphs
-    return None if graphs is None else {"batch_1": graphs.batch1_kernel, "batch_2_up": graphs.decode_kernel}
+    return None if graphs is None else {"batch_1": "flex" if graphs.flex_at_batch_1 else "sdpa", "batch_2_up": "sdpa"}
 
 
 def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max_len: int):

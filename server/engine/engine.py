@@ -20,7 +20,7 @@ import torch
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
-from server.engine.decode_graphs import DecodeGraphs, resolve_decode_attention
+from server.engine.decode_graphs import DecodeGraphs, use_flex_at_batch_1
 from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner, SampledToken
 from server.engine.request import Request
@@ -40,7 +40,6 @@ from server.engine.types import (
 )
 from server.engine.weights import load_model, resolve_model_path
 from server.kernels.gated_delta import CHUNK_SIZE
-from server.kernels.linear import use_reduction_gemv
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +75,7 @@ class Engine:
         self.state_cache, state_slots = self._state_pool()  # hybrids only; see _num_kv_blocks for its memory
         num_blocks = self._num_kv_blocks(shapes)
         # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device, config.kv_layout)
+        self.kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
         self.allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.allocator, state_slots
@@ -84,7 +83,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, device, self.vocab_size, self._decode_graphs(), self.state_cache)
         self.compile_prefill = self._wants_compiled_prefill()
         if self.compile_prefill:
-            caches = self.kv_cache.tensors()
+            caches = list(self.kv_cache.layers)
             caches += [t for layer in (self.state_cache.layers if self.state_cache else []) for t in layer]
             self.runner.forward_steps = CompiledSteps(model, caches, size_oblivious=self.state_cache is None)
         self._outputs: dict[str, _OutputState] = {}
@@ -108,8 +107,6 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        if config.quantization not in (None, "none", "fp8"):
-            raise ValueError(f"unknown quantization {config.quantization!r}; use none or fp8")
         if config.model == "demo":
             from server.engine.demo import ensure_demo_model
 
@@ -123,8 +120,7 @@ class Engine:
         checkpoint_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
         dtype = device_mod.select_dtype(config.dtype, torch_device, checkpoint_dtype)
         log.info("loading %s on %s (%s) as %s", config.model, torch_device, reason, dtype)
-        quantization = None if config.quantization in (None, "none") else config.quantization
-        model, hf_config = load_model(model_dir, torch_device, dtype, quantization)
+        model, hf_config = load_model(model_dir, torch_device, dtype, config.quantization)
         tokenizer = Tokenizer.from_pretrained(model_dir)
         limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
         max_model_len = min(config.max_model_len or limit, limit)
@@ -135,17 +131,11 @@ class Engine:
         mode = self.config.compile
         if mode == "off" or (mode == "auto" and self.device.type == "cpu"):
             return None
-        batch1_kernel, kernel = resolve_decode_attention(self.config.decode_attention, self.device, self.dtype,
-                                                         self.config.block_size, self.state_cache is None)
-        if self.config.decode_gemv == "reduction":
-            log.info("one-token reduction GEMV for %d linears", len(use_reduction_gemv(self.model)))
+        flex = use_flex_at_batch_1(self.device, self.dtype, self.config.block_size, self.state_cache is None)
         blocks_per_seq = -(-self.max_model_len // self.config.block_size)
         graphs = self.config.cuda_graphs if self.config.cuda_graphs is not None else True
-        return DecodeGraphs(
-            self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq, graphs,
-            kernel, state_cache=self.state_cache, static_shapes=self.config.decode_static_shapes,
-            autotune_batch1=self.config.decode_autotune_batch1, batch1_kernel=batch1_kernel,
-        )
+        return DecodeGraphs(self.model, self.kv_cache.layers, self.device, self.config.max_num_seqs, blocks_per_seq,
+                            graphs, state_cache=self.state_cache, flex_at_batch_1=flex)
 
     def _wants_compiled_prefill(self) -> bool:
         """None: on where it was measured: with the compiled decode step, on CUDA, bf16/fp16 weights (FP8 prefill
@@ -153,7 +143,7 @@ class Engine:
         compile cold on the H200; Qwen3.6's prefill was 2x faster once compiled, docs/PERF.md)."""
         if self.config.compile_prefill is not None:
             return self.config.compile_prefill
-        measured = self.device.type == "cuda" and self.state_cache is None and self.config.quantization in (None, "none")
+        measured = self.device.type == "cuda" and self.state_cache is None and self.config.quantization is None
         return self.runner.decode_graphs is not None and measured
 
     def _num_kv_blocks(self, shapes: list[tuple[int, int]]) -> int:

@@ -83,22 +83,13 @@ class CompiledSteps:
 
 
 class KVCache:
-    """Per-layer K and V `[num_blocks, block_size, num_kv_heads, head_dim]` on the device: layout "split", a (K, V)
-    pair per layer, or "combined", one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor (kernels.write_kv)."""
+    """Per layer one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor on the device: K and V side by
+    side, so a step writes both with one scatter (kernels.paged_attention.write_kv)."""
 
-    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device, layout: str = "combined"):
+    def __init__(self, shapes: list[tuple[int, int]], num_blocks: int, block_size: int, dtype, device):
         self.num_blocks, self.block_size = num_blocks, block_size
-
-        def layer(kv_heads: int, head_dim: int):
-            if layout == "combined":
-                return torch.zeros(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype, device=device)
-            return tuple(torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
-
-        self.layers = [layer(kv_heads, head_dim) for kv_heads, head_dim in shapes]
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every cache tensor (for torch.compile's static marking)."""
-        return [t for layer in self.layers for t in ((layer,) if isinstance(layer, torch.Tensor) else layer)]
+        self.layers = [torch.zeros(num_blocks, block_size, 2, kv_heads, head_dim, dtype=dtype, device=device)
+                       for kv_heads, head_dim in shapes]
 
     @staticmethod
     def bytes_per_block(shapes: list[tuple[int, int]], block_size: int, dtype: torch.dtype) -> int:

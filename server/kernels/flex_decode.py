@@ -4,11 +4,9 @@ no repeated KV heads, no boolean mask tensor.
 The cache is viewed as one long physical sequence `[1, kv_heads, num_blocks * block_size, head_dim]`; a
 BlockMask built from the block table lists each sequence's physical blocks (its KV block size is the cache
 block size) and masks keys past the query's position. Compiled on CUDA this is inductor's flex-decoding kernel,
-which needs a static batch size (DecodeGraphs compiles one graph per batch bucket for it). Whether the compiled
-form is right on a device is not assumed from the torch version: `probe_compiled` compiles it there on a small
-paged cache and compares it with the reference before an engine may use it (`decode_attention="flex"`; measured
-right on CUDA; other backends' FlexAttention lowerings, e.g. inductor's Metal one, get the same check). SDPA is
-the portable decode.
+which needs a static batch size (the engine uses it in the batch-1 decode graph). Whether the compiled form is
+right on a device is not assumed from the torch version: `probe_compiled` compiles it there on a small paged
+cache and compares it with the gathered SDPA reference before an engine may use it. SDPA is the portable decode.
 """
 
 from __future__ import annotations
@@ -52,9 +50,9 @@ def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block
 
 def _listed_blocks_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int):
     """Right on the sequence's listed blocks, which are all the decoding kernel visits: only the query's own
-    block is cut, past its position. Measured on the H200 (torch 2.11, benchmarks/flex_decode_check.py): right
-    in the decoding kernel (static batch); the whole-cache form below gave wrong outputs compiled, and the
-    general kernel (dynamic batch) was wrong with either, hence the static-batch guard."""
+    block is cut, past its position. Only the decoding kernel (static batch) visits just the listed blocks;
+    the whole-cache form below is wrong compiled, and the general kernel (dynamic batch) is wrong with either,
+    hence the static-batch guard."""
     last_physical = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]  # [num_seqs]
     last_offset = positions % block_size
 
@@ -107,8 +105,8 @@ def _kernel_options(block_size: int, device: torch.device) -> dict | None:
 @functools.cache
 def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bool, str]:
     """Compile flex decode on `device` (static batch 2, grouped heads, sequences over shuffled blocks ending in
-    partial blocks) and compare it with `paged_decode_attention` in fp32 -> (ok, reason). Once per process."""
-    from server.kernels.paged_attention import paged_decode_attention
+    partial blocks) and compare it with the gathered SDPA decode in fp32 -> (ok, reason). Once per process."""
+    from server.kernels.paged_attention import gathered_decode_attention
 
     if flex_attention is None:
         return False, f"torch {torch.__version__} has no FlexAttention"
@@ -119,7 +117,7 @@ def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bo
     tables = (torch.randperm(num_blocks - 1, generator=gen)[:8] + 1).view(2, 4)
     positions = torch.tensor([block_size + 2, 3 * block_size + block_size // 2])
     scale = head_dim**-0.5
-    expected = paged_decode_attention(q, k_cache, v_cache, tables, positions, scale)
+    expected = gathered_decode_attention(q, k_cache, v_cache, tables, positions, scale)
 
     def step(q, k_cache, v_cache, tables, positions):
         mask = decode_block_mask(tables, positions, block_size, k_cache.shape[0] * block_size)

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from server.kernels.flex_decode import decode_block_mask
-from server.kernels.paged_attention import kv_block_dims
 
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
@@ -56,23 +55,21 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None  # [num_seqs] int64: each sequence's slot in the state pool
     state_caches: list[tuple[torch.Tensor, ...]] | None = None  # per state layer: tensors [num_slots, ...]
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
-    decode_kernel: str = "sdpa"  # compiled decode attention: "sdpa" (gather + SDPA), "reduce" (fused gather), "flex"
-    decode_block_mask: Any = None  # compiled decode with decode_kernel "flex": the step's FlexAttention BlockMask
+    decode_block_mask: Any = None  # flex decode attention: the step's FlexAttention BlockMask (else SDPA)
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
 
     @classmethod
-    def for_decode(cls, slot_mapping, block_tables, positions, decode_kernel: str, kv_cache, **state):
-        """One token per sequence, rows in order. `kv_cache`: any attention layer's cache, in either layout (all
-        share the block layout); with decode_kernel "flex" the step's BlockMask over it is built here, once for all
-        layers."""
+    def for_decode(cls, slot_mapping, block_tables, positions, flex: bool, kv_cache: torch.Tensor, **state):
+        """One token per sequence, rows in order. `kv_cache`: any attention layer's cache (all share the block
+        layout); with `flex` the step's BlockMask over it is built here, once for all layers."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         meta = cls(
             slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],
             query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
-            is_decode=True, decode_kernel=decode_kernel, **state,
+            is_decode=True, **state,
         )
-        if decode_kernel == "flex":
-            num_blocks, block_size = kv_block_dims(kv_cache)
+        if flex:
+            num_blocks, block_size = kv_cache.shape[:2]
             meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
         return meta
 

@@ -111,7 +111,7 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor] | torch.Tensor,  # see kernels.paged_attention.write_kv
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, kv_heads, head_dim]
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

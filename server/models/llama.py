@@ -94,7 +94,7 @@ class Model(CausalLM):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor] | torch.Tensor],  # per attention layer (write_kv)
+        kv_caches: list[torch.Tensor],  # per attention layer: [num_blocks, block_size, 2, kv_heads, head_dim]
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)

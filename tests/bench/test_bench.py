@@ -44,7 +44,7 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     code = main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "8", "--prompt-len",
                  "16", "--json", str(out), "--compare", "transformers", "--device", "cpu", "--reps", "1",
-                 "--copy-mib", "8", "--quantize", "none,fp8", "--engine-option", "kv_layout=split"])
+                 "--copy-mib", "8", "--quantize", "none,fp8", "--engine-option", "max_num_seqs=4"])
     assert code == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["quantize"], r["batch_size"]) for r in records] == [("none", 1), ("none", 2), ("fp8", 1), ("fp8", 2)]
@@ -58,7 +58,7 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
         assert not [k for k in REQUIRED if k not in r]
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in POSITIVE), {k: r[k] for k in POSITIVE}
         assert r["compile_s"] >= 0 and r["dtype"] == "float32" and r["device"] == "cpu"
-        assert r["engine_options"] == {"kv_layout": "split"}  # recorded, so A/B lines tell themselves apart
+        assert r["engine_options"] == {"max_num_seqs": 4}  # recorded, so A/B lines tell themselves apart
         assert r["weight_bytes_per_token"] == expected_bytes_per_token(config, 4)
         assert r["speedup_vs_peer"] == pytest.approx(r["decode_tok_s"] / r["peer_decode_tok_s"])
         assert r["roofline_fraction"] == pytest.approx(r["achieved_gb_s"] / r["copy_gb_s"])

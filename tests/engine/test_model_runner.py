@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
-
 from server.engine import model_runner
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
@@ -33,15 +31,14 @@ def test_the_runner_runs_prefill_and_mixed_steps_in_the_prefill_context(tiny_che
     assert forwards and all(forwards) and entered[0] == engine.device
 
 
-def test_kv_cache_layouts_and_an_unknown_one(tiny_checkpoint):
-    """split: a (K, V) pair per layer; combined: one [blocks, block, 2, kv_heads, dim] tensor per layer, the same
-    bytes; anything else is refused by name."""
+def test_kv_cache_keeps_k_and_v_side_by_side_per_layer(tiny_checkpoint):
+    """One [blocks, block, 2, kv_heads, dim] tensor per attention layer, sized from the model's KV shapes, plus
+    the reserved null block."""
     path = str(tiny_checkpoint("llama")[0])
-    split = Engine.from_pretrained(path, **ENGINE_KW, kv_layout="split").kv_cache
-    combined = Engine.from_pretrained(path, **ENGINE_KW).kv_cache  # the default
-    k_cache, v_cache = split.layers[0]
-    assert combined.layers[0].shape == (k_cache.shape[0], k_cache.shape[1], 2, *k_cache.shape[2:])
-    assert len(split.tensors()) == 2 * len(combined.tensors()) == 2 * len(combined.layers)
-    assert sum(t.numel() for t in split.tensors()) == sum(t.numel() for t in combined.tensors())
-    with pytest.raises(ValueError, match="kv_layout='paired' is not one of split, combined"):
-        Engine.from_pretrained(path, **ENGINE_KW, kv_layout="paired")
+    engine = Engine.from_pretrained(path, **ENGINE_KW)
+    cache = engine.kv_cache
+    shapes = engine.model.kv_cache_shapes()
+    assert len(cache.layers) == len(shapes)
+    for layer, (kv_heads, head_dim) in zip(cache.layers, shapes, strict=True):
+        assert layer.shape == (cache.num_blocks, ENGINE_KW["block_size"], 2, kv_heads, head_dim)
+    assert cache.num_blocks == engine.allocator.num_usable + 1

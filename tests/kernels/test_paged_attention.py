@@ -7,7 +7,7 @@ import torch
 
 from server.kernels import flex_decode
 from server.kernels.flex_decode import decode_block_mask
-from server.kernels.paged_attention import paged_attention, paged_decode_attention, prefill_sdpa_backends, write_kv
+from server.kernels.paged_attention import gathered_decode_attention, paged_attention, prefill_sdpa_backends, write_kv
 from server.models.base import AttentionMetadata
 
 
@@ -61,28 +61,26 @@ def build_case(seed: int, lens: list[tuple[int, int]], block_size=4, heads=4, kv
     return torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, torch.cat(expected)
 
 
-def layer_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str):
-    """One layer's cache in the engine's layout: a (K, V) pair, or one [blocks, block, 2, kv_heads, dim] tensor."""
-    return (k_cache, v_cache) if layout == "split" else torch.stack((k_cache, v_cache), dim=2).contiguous()
+def layer_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One layer's cache in the engine's layout: one [blocks, block, 2, kv_heads, dim] tensor."""
+    return torch.stack((k_cache, v_cache), dim=2).contiguous()
 
 
-@pytest.mark.parametrize("layout", ["split", "combined"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mixed_prefill_and_decode_batch(seed, layout):
+def test_mixed_prefill_and_decode_batch(seed):
     q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)])
-    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache, layout), k, v, meta.slot_mapping)
+    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["split", "combined"])
 @pytest.mark.parametrize("seed", [3, 4])
-def test_decode_form_matches(seed, layout):
+def test_decode_form_matches(seed):
     q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(11, 1), (2, 1), (30, 1)])
-    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache, layout), k, v, meta.slot_mapping)
-    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
+    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
+    out = gathered_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
-    meta.is_decode = True  # the compiled step's SDPA form: query rows taken as views
+    meta.is_decode = True  # one query per sequence: the decode form, query rows taken as views
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
 
@@ -100,14 +98,13 @@ def test_fresh_prefill_attends_over_the_step_alone(lens):
     assert (out - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("layout", ["split", "combined"])
 @pytest.mark.parametrize("seed, lens", [(6, [(11, 1), (2, 1), (30, 1)]), (7, [(0, 1), (3, 1)]), (8, [(15, 1)])])
-def test_flex_decode_matches(seed, lens, layout):
+def test_flex_decode_matches(seed, lens):
     """FlexAttention over the physical cache with the step's BlockMask (eager here: the fused kernel is
-    CUDA's; benchmarks/flex_decode_check.py checks it there). Unused cache slots hold NaN-free noise that
-    must not be attended, so a wrong mask shows."""
+    CUDA's; the engine's start-up probe checks it there). Unused cache slots hold NaN-free noise that must not
+    be attended, so a wrong mask shows."""
     q, k, v, k_cache, v_cache, meta, expected = build_case(seed, lens)
-    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache, layout), k, v, meta.slot_mapping)
+    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
     positions = meta.query_positions[:, 0]
     meta.is_decode = True
     meta.decode_block_mask = decode_block_mask(meta.block_tables, positions, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
@@ -116,7 +113,7 @@ def test_flex_decode_matches(seed, lens, layout):
 
 
 def test_flex_probe_accepts_a_right_kernel_and_names_a_wrong_or_failing_one(monkeypatch):
-    """The probe that gates decode_attention="flex" on a device, run with torch.compile replaced by eager (the
+    """The probe that gates flex decode attention on a device, run with torch.compile replaced by eager (the
     eager FlexAttention is right) and then with a kernel that is off by a little, or raises."""
     probe = flex_decode.probe_compiled.__wrapped__  # uncached
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
@@ -135,8 +132,7 @@ def test_flex_probe_accepts_a_right_kernel_and_names_a_wrong_or_failing_one(monk
 
 
 def test_prefill_leaves_cudnn_attention_out_on_cuda_only():
-    """cuDNN attention plans every new shape (45-75 ms each on the H200) and prefill shapes are new at almost every
-    step: on CUDA the prefill context enables flash, memory-efficient and math, and restores the flags after."""
+    """cuDNN attention plans every new shape, and prefill shapes are new at almost every step: on CUDA the prefill context enables flash, memory-efficient and math, and restores the flags after."""
     flags = torch.backends.cuda
     before = (flags.cudnn_sdp_enabled(), flags.flash_sdp_enabled(), flags.mem_efficient_sdp_enabled())
     with prefill_sdpa_backends(torch.device("cuda")):
@@ -147,12 +143,14 @@ def test_prefill_leaves_cudnn_attention_out_on_cuda_only():
         assert flags.cudnn_sdp_enabled() == before[0]  # other devices: untouched
 
 
-def test_combined_write_matches_split_and_reads_through_views():
-    """kv_layout "combined": one scatter fills K at index 0 and V at 1 of dim 2, exactly as the split caches get
-    them, and the K/V returned to attend over are views of that tensor (no copy)."""
+def test_kv_write_fills_k_and_v_side_by_side_and_reads_through_views():
+    """One scatter puts each token's K at index 0 and V at 1 of dim 2 of its slot, and the K/V returned to attend
+    over are views of the cache tensor (no copy)."""
     _, k, v, k_cache, v_cache, meta, _ = build_case(9, [(0, 5), (7, 1), (3, 4)])
-    combined = layer_cache(k_cache, v_cache, "combined")
-    split_k, split_v = write_kv((k_cache, v_cache), k, v, meta.slot_mapping)
-    read_k, read_v = write_kv(combined, k, v, meta.slot_mapping)
-    assert torch.equal(read_k, split_k) and torch.equal(read_v, split_v)
-    assert read_k.data_ptr() == combined.data_ptr() and read_v.untyped_storage().data_ptr() == combined.data_ptr()
+    cache = layer_cache(k_cache, v_cache)
+    read_k, read_v = write_kv(cache, k, v, meta.slot_mapping)
+    block_size = cache.shape[1]
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    assert torch.equal(cache[blocks, offsets, 0], k) and torch.equal(cache[blocks, offsets, 1], v)
+    assert torch.equal(read_k, cache[:, :, 0]) and torch.equal(read_v, cache[:, :, 1])
+    assert read_k.data_ptr() == cache.data_ptr() and read_v.untyped_storage().data_ptr() == cache.data_ptr()

@@ -366,17 +366,3 @@ def test_state_snapshot_is_published_only_once_its_copy_is_launched():
     slots.publish(planned)
     slots.release("c", live)
     assert slots.match("d", h[:3]) == 2
-
-
-def test_combined_kv_layout_gives_the_split_layouts_output(hybrid_checkpoint):
-    """kv_layout "combined" (K and V in one tensor per attention layer) on a hybrid: fresh, continued and decode
-    steps give the split layout's tokens and logprobs."""
-    path, _ = hybrid_checkpoint("qwen3_5_moe_text")
-    split, combined = make_engine(path, compile="off", kv_layout="split"), make_engine(path, compile="off", kv_layout="combined")
-    assert all(isinstance(layer, torch.Tensor) and layer.shape[2] == 2 for layer in combined.kv_cache.layers)
-    prompts = [random_ids(n, seed=40 + n) for n in (3, 21, 9)]  # past the 16-token budget: a continued chunk
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    expected, got = split.generate(prompts, params), combined.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    diffs = [abs(a.logprob - b.logprob) for o, e in zip(got, expected, strict=True) for a, b in zip(o.logprobs, e.logprobs, strict=True)]
-    assert max(diffs) < 1e-5
