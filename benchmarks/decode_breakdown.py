@@ -54,7 +54,8 @@ def classify(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
-    parser.add_argument("--preset", default=None, help="configs/presets/NAME.toml instead of --shape (any model)")
+    parser.add_argument("--preset", default=None,
+                        help="server/configs/presets/NAME.toml instead of --shape (any model)")
     parser.add_argument("--quantize", default=None, choices=["fp8"], help="with --preset")
     parser.add_argument("--graphs", default="1")
     parser.add_argument("--batch", type=int, default=1)

@@ -25,7 +25,8 @@ def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> No
     parser.add_argument("--quantize", choices=["none", "fp8"], default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--config", default=None, help="TOML file with [engine] and [server] tables (see configs/)")
+    parser.add_argument("--config", default=None,
+                        help="TOML file with [engine] and [server] tables (see server/configs/)")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:

@@ -1,4 +1,4 @@
-"""Frozen configuration dataclasses, loaded from configs/*.toml and overridden by CLI flags."""
+"""Frozen configuration dataclasses, loaded from TOML (server/configs/default.toml) and overridden by CLI flags."""
 
 from __future__ import annotations
 
