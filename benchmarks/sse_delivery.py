@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> list[dict]:
               "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     return [{**common, **results[n]} for n in args.streams]
 
 

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any
-
-import tomllib
 
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROMPT_LEN = 128

@@ -6,13 +6,12 @@ The format is described in server/configs/presets/README.md.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 # Package data, so an installed wheel finds the presets as a source checkout does.
 PRESET_DIR = resources.files("server") / "configs" / "presets"
