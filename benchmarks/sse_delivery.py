@@ -276,7 +276,7 @@ def run(args: argparse.Namespace) -> list[dict]:
               "gpu_name": device_name(engine.device),
               "dtype": str(engine.dtype).removeprefix("torch."), "prompt_len": args.prompt_len,
               "max_tokens": args.max_tokens, "torch_version": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     return [{**common, **results[n]} for n in args.streams]
 
 
@@ -324,7 +324,7 @@ def print_table(records: list[dict]) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id")
-    parser.add_argument("--preset", default=None, help="configs/presets/NAME.toml (random weights)")
+    parser.add_argument("--preset", default=None, help="server/configs/presets/NAME.toml (random weights)")
     parser.add_argument("--device", default="auto", choices=["auto", "mps", "cuda", "cpu"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     parser.add_argument("--streams", default="1,16", help="comma-separated numbers of concurrent streams")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import logging
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 from server.config import load_config
@@ -25,7 +27,8 @@ def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> No
     parser.add_argument("--quantize", choices=["none", "fp8"], default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--config", default=None, help="TOML file with [engine] and [server] tables (see configs/)")
+    parser.add_argument("--config", default=None,
+                        help="TOML file with [engine] and [server] tables (see server/configs/)")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
@@ -40,8 +43,21 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
     }
 
 
+def installed_version() -> str:
+    """The installed distribution's version; in a source checkout that is not installed, pyproject.toml's."""
+    try:
+        return importlib.metadata.version("mps-serve")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"]
+        except (OSError, tomllib.TOMLDecodeError, KeyError):
+            return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mps-serve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     sub = parser.add_subparsers(dest="command", required=True)
 

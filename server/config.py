@@ -1,13 +1,12 @@
-"""Frozen configuration dataclasses, loaded from configs/*.toml and overridden by CLI flags."""
+"""Frozen configuration dataclasses, loaded from TOML (server/configs/default.toml) and overridden by CLI flags."""
 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import tomllib
 from dataclasses import dataclass, field
 from typing import Any
-
-import tomllib
 
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROMPT_LEN = 128
@@ -86,7 +85,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (or use --preset)")
-    bench.add_argument("--preset", default=None, help="configs/presets/NAME.toml: real shapes, random weights")
+    bench.add_argument("--preset", default=None, help="server/configs/presets/NAME.toml: real shapes, random weights")
     bench.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,4,16)")
     bench.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 128)")
     bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default 128)")

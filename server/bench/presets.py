@@ -1,17 +1,20 @@
-"""Benchmark presets (configs/presets/*.toml): a [model] table of config.json keys plus optional [bench] defaults.
+"""Benchmark presets (server/configs/presets/*.toml): a [model] table of config.json keys plus optional [bench]
+defaults.
 
-The format is described in configs/presets/README.md.
+The format is described in server/configs/presets/README.md.
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+# Package data, so an installed wheel finds the presets as a source checkout does.
+PRESET_DIR = resources.files("server") / "configs" / "presets"
 BENCH_KEYS = {"prompt_len": int, "num_decode_tokens": int, "batch_sizes": list}
 
 
@@ -23,11 +26,11 @@ class Preset:
 
 
 def available_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+    return sorted(p.name.removesuffix(".toml") for p in PRESET_DIR.iterdir() if p.name.endswith(".toml"))
 
 
-def preset_path(name: str) -> Path:
-    """A preset name (configs/presets/NAME.toml) or a path to a .toml file in the same format."""
+def preset_path(name: str) -> Traversable:
+    """A preset name (server/configs/presets/NAME.toml) or a path to a .toml file in the same format."""
     path = Path(name).expanduser()
     if path.suffix == ".toml":
         if not path.is_file():
@@ -57,7 +60,7 @@ def load_preset(name: str) -> Preset:
             raise ValueError(f"preset {path}: unknown [bench] key {key!r}; valid keys are {sorted(BENCH_KEYS)}")
         if not isinstance(value, BENCH_KEYS[key]):
             raise ValueError(f"preset {path}: [bench] {key} must be a {BENCH_KEYS[key].__name__}, got {value!r}")
-    return Preset(path.stem, model, bench)
+    return Preset(path.name.removesuffix(".toml"), model, bench)
 
 
 def model_args(hf_config: dict[str, Any]):

@@ -101,7 +101,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
         "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
         "copy_gb_s": copy_gb_s, "torch_version": torch.__version__, "engine_options": dict(opts.engine_options),
         "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     peer_weights = None
     if peer is not None:  # transformers reads the unquantized weights, whichever of ours it is compared with

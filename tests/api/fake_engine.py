@@ -75,7 +75,7 @@ class FakeHandle:
         """Sleep; True when aborted meanwhile."""
         try:
             await asyncio.wait_for(self._aborted.wait(), delay_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self._aborted.is_set()
 
