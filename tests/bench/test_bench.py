@@ -72,6 +72,37 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     assert "decode tok/s" in table and "speedup" in table and "quantize=none,fp8" in table
 
 
+def test_aten_ops_leave_out_views_allocations_and_no_op_conversions():
+    x = torch.randn(8, 8)
+
+    def ops():
+        torch.nn.functional.linear(x, x).relu()  # 2
+        x.view(-1), x.t(), x.reshape(4, 16), x[1:3], x.to(torch.float32), torch.empty(3), x.contiguous()  # 0
+        x.t().contiguous(), x.to(torch.float16), torch.zeros(2), x.sum()  # 4
+
+    assert measure.count_kernels(ops, torch.device("cpu")) == 6
+
+
+class _Trace:
+    def __init__(self, events):
+        self.events = events
+
+    def export_chrome_trace(self, path):
+        with open(path, "w") as handle:
+            json.dump({"traceEvents": self.events}, handle)
+
+
+def test_cuda_kernels_count_graph_replays_and_refuse_untraced_ones():
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 7}}
+    kernels = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "args": {"correlation": 7}} for i in range(3)]
+    others = [{"ph": "X", "cat": "kernel", "name": "eager", "args": {"correlation": 9}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "args": {"correlation": 8}},
+              {"ph": "f", "cat": "ac2g", "name": "flow", "args": {"correlation": 7}}]
+    assert measure._count_cuda_kernels(_Trace([launch, *kernels, *others])) == 4
+    with pytest.raises(RuntimeError, match="no kernels of 1 CUDA graph replays"):
+        measure._count_cuda_kernels(_Trace([launch, *others]))
+
+
 def test_transformers_gets_exactly_our_random_weights():
     config = presets.load_preset("tiny-moe").hf_config
     ours = build_random_model(config, torch.device("cpu"), torch.float32, seed=3)
