@@ -9,13 +9,24 @@ Formulas (also printed under the table):
   under uniform routing; exactly k/E at B = 1).
 - achieved GB/s = bytes per step / step time; roofline_fraction = achieved GB/s / copy GB/s, where copy GB/s
   is (bytes read + bytes written) / time of one large device-to-device copy, measured in the same run.
+- kernels per step: what one steady decode step launches, counted by torch.profiler around one engine step
+  after all of that engine's timed calls (and CUPTI detached again after it, so later launches cost what they
+  did). CUDA ("cuda_kernels"): the kernel records CUPTI reports; a CUDA graph replay reports each kernel it runs
+  as its own record, so graphs on and off count alike. Elsewhere ("aten_ops"), as a stand-in: ATen ops called
+  from outside any other ATen op that do device work (views, allocations and no-op conversions left out);
+  inductor's own generated kernels are no ATen ops and go uncounted there.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -126,6 +137,101 @@ def _copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
     return timed(lambda: dst.copy_(src), src.device)[0]
+
+
+def kernels_counted_by(device: torch.device) -> str:
+    return "cuda_kernels" if device.type == "cuda" else "aten_ops"
+
+
+def count_kernels(fn: Callable[[], object], device: torch.device) -> int:
+    """Kernels the device runs for fn(), by torch.profiler, with the device drained before and after so that
+    exactly fn's work is seen (see the module docstring; the method is `kernels_counted_by(device)`)."""
+    synchronize(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        _detach_cupti_after_profiling()
+    activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    return _count_cuda_kernels(prof) if cuda else count_aten_ops(prof.events())
+
+
+def _detach_cupti_after_profiling() -> None:
+    """Left attached once the profiler stops, CUPTI makes every later kernel launch slower, and so the timed
+    calls of the engines measured after this one. torch keeps it attached with CUDA graphs before CUDA 12.6,
+    where attaching it again crashed; there the count stays right but later launches pay."""
+    major, minor = (int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    if (major, minor) >= (12, 6):
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+
+def _count_cuda_kernels(prof) -> int:
+    """Kernel records of the trace (its categories are the stable way to tell kernels from copies and runtime
+    calls across torch versions). Each kernel a cudaGraphLaunch runs carries that launch's correlation id:
+    a launch without one would mean the graph's kernels went untraced, so it raises rather than under-count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    graph_launches = {e.get("args", {}).get("correlation") for e in events
+                      if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                      and e.get("name", "").startswith(("cudaGraphLaunch", "cuGraphLaunch"))}
+    untraced = graph_launches - {e.get("args", {}).get("correlation") for e in kernels}
+    if untraced:
+        raise RuntimeError(f"the profiler traced no kernels of {len(untraced)} CUDA graph replays")
+    return len(kernels)
+
+
+# Ops that do no device work yet are not views by their schemas.
+NO_DEVICE_WORK = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+                            "resize_", "set_", "detach_", "result_type", "record_stream"})
+
+
+def count_aten_ops(events: Iterable) -> int:
+    """Profiler events (FunctionEvent) -> the ATen ops called from outside any other ATen op that do device
+    work: an op that returns a view or only allocates counts when an op inside it does work (`to` that copies,
+    `contiguous` that clones)."""
+    return sum(1 for e in events if _is_aten(e) and _aten_parent(e) is None and _does_device_work(e))
+
+
+def _is_aten(event) -> bool:
+    return event.name.startswith("aten::")
+
+
+def _aten_parent(event):
+    parent = event.cpu_parent
+    while parent is not None and not _is_aten(parent):
+        parent = parent.cpu_parent
+    return parent
+
+
+def _aten_children(event) -> list:
+    children = []
+    for child in event.cpu_children:
+        children += [child] if _is_aten(child) else _aten_children(child)
+    return children
+
+
+def _does_device_work(event) -> bool:
+    op = event.name.removeprefix("aten::")
+    if op not in NO_DEVICE_WORK and not _is_view_op(op):
+        return True
+    return any(_does_device_work(child) for child in _aten_children(event))
+
+
+@functools.cache
+def _is_view_op(op: str) -> bool:
+    """Every overload of `op` that takes a tensor returns a view of it (the profiler records no overload names;
+    the overloads taking no tensor are TorchScript's list and string forms)."""
+    try:
+        packet = getattr(torch.ops.aten, op)
+        overloads = [getattr(packet, name) for name in packet.overloads()]
+    except (AttributeError, RuntimeError):
+        return False
+    on_tensors = [o for o in overloads if any(isinstance(a.type, torch.TensorType) for a in o._schema.arguments)]
+    return bool(on_tensors) and all(o.is_view for o in on_tensors)
 
 
 @dataclass(frozen=True)

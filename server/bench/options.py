@@ -11,6 +11,7 @@ DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_DECODE_TOKENS = 128
 QUANTIZATIONS = ("none", "fp8")
+GRAPH_MODES = {"on": True, "off": False}
 
 EPILOG = """\
 Measures through the real Engine: prefill tok/s = B * prompt_len / time(generate 1 token); steady decode
@@ -18,12 +19,17 @@ tok/s = B * (n_long - n_short) / (t_long - t_short) with n_long = decode_tokens 
 (65 and 129 for 128, as in reference/h200-measurements.md), best of --reps, after one warm-up call whose extra
 time is reported as compile_s. Weights are read once per decode step, so achieved GB/s = bytes per step / step
 time, and roofline_fraction = achieved GB/s / the device copy GB/s measured in the same run.
+kernels/step: device kernels of one steady decode step, counted by torch.profiler after the timed calls (CUDA
+kernel records on CUDA, graph replays included; elsewhere ATen ops that do device work, as a stand-in).
+--graphs on,off measures our engine with and without CUDA graphs side by side (a Mac has none: "off" is the
+Mac-like mode on CUDA); --no-graphs is --graphs off.
 With --compare transformers, ours is measured first and freed, then transformers runs the same weights
 (static cache + torch.compile on CUDA, eager elsewhere) and is measured the same way.
 
 examples:
   mps-serve bench --preset tiny-moe --device cpu --batch-sizes 1,2 --compare transformers
   mps-serve bench --preset llama-3.1-8b --batch-sizes 1,4,16 --json perf.jsonl --compare transformers
+  mps-serve bench --preset llama-3.1-8b --batch-sizes 1,16 --graphs on,off --json perf.jsonl
   mps-serve bench Qwen/Qwen3-30B-A3B --batch-sizes 1 --json perf.jsonl
 """
 
@@ -38,6 +44,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     quantize: tuple[str, ...] = ("none",)  # each measured in turn, side by side with one peer
+    graphs: tuple[bool | None, ...] = (None,)  # EngineConfig.cuda_graphs of each measured mode; None: the config's
     json_path: str | None = None
     compare: str | None = None  # None | "transformers"
     peer_experts: str = "keep-grouped"  # keep-grouped | transformers-default | best
@@ -64,6 +71,13 @@ def _quantize_list(text: str) -> tuple[str, ...]:
     if bad or not values:
         raise argparse.ArgumentTypeError(f"--quantize takes {', '.join(QUANTIZATIONS)} or a comma list of them, got {text!r}")
     return values
+
+
+def _graph_modes(text: str) -> tuple[bool, ...]:
+    names = tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+    if not names or any(n not in GRAPH_MODES for n in names):
+        raise argparse.ArgumentTypeError(f"--graphs takes on, off or on,off, got {text!r}")
+    return tuple(GRAPH_MODES[n] for n in names)
 
 
 def engine_option(text: str) -> tuple[str, Any]:
@@ -93,6 +107,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
     bench.add_argument("--quantize", type=_quantize_list, default=("none",),
                        help="none, fp8, or both as none,fp8 (measured in turn, side by side with one peer)")
+    graphs = bench.add_mutually_exclusive_group()
+    graphs.add_argument("--graphs", type=_graph_modes, default=(None,), metavar="on|off|on,off",
+                        help="our decode steps with CUDA graphs, without (the Mac-like mode: each kernel launched "
+                             "from the host), or both measured in turn, side by side (default: the config's, on "
+                             "where the compiled decode step runs on CUDA)")
+    graphs.add_argument("--no-graphs", dest="graphs", action="store_const", const=(False,),
+                        help="the same as --graphs off")
     bench.add_argument("--json", dest="json_path", default=None, help="append one JSON object per batch size")
     bench.add_argument("--compare", choices=["transformers"], default=None)
     bench.add_argument("--peer-experts", choices=["keep-grouped", "transformers-default", "best"],
@@ -104,7 +125,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
     bench.add_argument("--config", dest="config_file", default=None, help="TOML with an [engine] table")
     bench.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
-                       help="EngineConfig field override, e.g. compile=off or cuda_graphs=false (repeatable)")
+                       help="EngineConfig field override, e.g. compile=off (repeatable)")
     return bench
 
 
@@ -118,6 +139,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         )
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
+    if args.graphs != (None,) and any(key == "cuda_graphs" for key, _ in args.engine_option):
+        raise ValueError("give the graph modes with --graphs or --no-graphs, not --engine-option cuda_graphs=...")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be at least 1, got {args.prompt_len}")
     return BenchOptions(
@@ -129,6 +152,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         device=args.device,
         dtype=args.dtype,
         quantize=args.quantize,
+        graphs=args.graphs,
         json_path=args.json_path,
         compare=args.compare,
         peer_experts=args.peer_experts,

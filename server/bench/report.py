@@ -13,7 +13,11 @@ FORMULAS = (
     "decode tok/s: steady rate B*(n_long-n_short)/(t_long-t_short), prefill and warm-up excluded; ms/tok: time "
     "between two tokens of one sequence (one decode step). GB/s = weight bytes per step / step time (weights are "
     "read once per step; at batch B, MoE layers read 1-(1-k/E)^B of their experts); roofline = GB/s / copy GB/s "
-    "of a device-to-device copy measured in this run (KV-cache reads not counted)."
+    "of a device-to-device copy measured in this run (KV-cache reads not counted). kernels/step: device kernels "
+    "of one steady decode step by torch.profiler, outside the timed calls: CUDA kernel records (graph replays "
+    "included) on CUDA, else ATen ops that do device work (a compiled step's generated kernels are none). "
+    "graphs: whether decode steps replayed CUDA graphs (n/a: not off, but none here: they need the compiled "
+    "decode step on CUDA)."
 )
 
 
@@ -66,6 +70,13 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def graph_mode(record: dict[str, Any]) -> str:
+    """on / off / n/a: graphs not turned off, but none replayed (they need the compiled decode step on CUDA)."""
+    if record["cuda_graphs"]:
+        return "on"
+    return "off" if record["engine_config"]["cuda_graphs"] is False else "n/a"
+
+
 def table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "(no results)"
@@ -77,9 +88,11 @@ def table(records: list[dict[str, Any]]) -> str:
         f"quantize={','.join(quantizations)}, prompt {first['prompt_len']}, decode {first['num_decode_tokens']}, "
         f"torch {first['torch_version']}; copy {first['copy_gb_s']:.0f} GB/s; "
         + ("" if several else f"{gigabytes(first['weight_bytes_per_token'])} of weights read per "
-           f"token at batch 1; model + engine built in {first['build_s']:.1f} s")
+           f"token at batch 1; model + engine built in {first['build_s']:.1f} s; ")
+        + f"kernels/step counted as {first['kernels_counted_by']}"
     )
-    header = ["B", "decode tok/s", "ms/tok", "prefill tok/s", "GB/s", "roofline", "warm-up s"]
+    header = ["graphs", "B", "decode tok/s", "ms/tok", "kernels/step", "prefill tok/s", "GB/s", "roofline",
+              "warm-up s"]
     if several:
         header = ["quantize", "weights/step", *header]
     comparing = any("peer_decode_tok_s" in r for r in records)
@@ -87,8 +100,8 @@ def table(records: list[dict[str, Any]]) -> str:
         header += ["peer tok/s", "peer roofline", "speedup"]
     rows = []
     for r in records:
-        row = [str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"), _fmt(r["ms_per_token"], ".2f"),
-               _fmt(r["prefill_tok_s"], ".0f"), _fmt(r["achieved_gb_s"], ".1f"),
+        row = [graph_mode(r), str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"), _fmt(r["ms_per_token"], ".2f"),
+               _fmt(r["kernels_per_step"], "d"), _fmt(r["prefill_tok_s"], ".0f"), _fmt(r["achieved_gb_s"], ".1f"),
                _fmt(r["roofline_fraction"] * 100, ".1f") + "%", _fmt(r["compile_s"], ".1f")]
         if several:
             row = [r["quantize"], gigabytes(r["weight_bytes_per_step"]), *row]

@@ -1,4 +1,5 @@
-"""One bench run: copy bandwidth -> our engine at each batch size -> free it -> the transformers peer -> records."""
+"""One bench run: copy bandwidth -> our engine at each batch size (per quantization and graph mode) -> free it
+-> the transformers peer -> records."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ class Series:
     rates: dict[int, measure.Rates] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     modes: dict[int, str] = field(default_factory=dict)
+    kernels: dict[int, int | None] = field(default_factory=dict)  # device kernels of one steady decode step
     notes: list[str] = field(default_factory=list)
 
 
@@ -83,13 +85,15 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
     release(device)  # hand the copy buffers back before the model is built
     calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
-    sides = len(opts.quantize) + (1 if opts.compare else 0)
-    ours: dict[str, tuple[Series, Any, dict]] = {}
+    sides = len(opts.quantize) * len(opts.graphs) + (1 if opts.compare else 0)
+    ours: dict[tuple[str, bool | None], tuple[Series, Any, dict]] = {}
     with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
         progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
         for quantize in opts.quantize:
-            ours[quantize] = measure_ours(opts, quantize, target, device, dtype, prompts, (n_short, n_long), progress)
-            release(device)
+            for graphs in opts.graphs:
+                ours[quantize, graphs] = measure_ours(opts, quantize, graphs, target, device, dtype, prompts,
+                                                      (n_short, n_long), progress)
+                release(device)
         peer = None
         if opts.compare:
             is_moe = next(iter(ours.values()))[1].num_experts > 0
@@ -110,7 +114,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
         peer_weights = measure.weight_bytes(empty_model(target.hf_config, "meta", dtype))
     records = [
         build_record({**common, "quantize": quantize, **info}, b, series, peer, weights, peer_weights, copy_gb_s)
-        for quantize, (series, weights, info) in ours.items() for b in batch_sizes
+        for (quantize, _), (series, weights, info) in ours.items() for b in batch_sizes
     ]
     if opts.json_path:
         report.append_json_lines(opts.json_path, records)
@@ -121,6 +125,7 @@ def build_record(common: dict, batch_size: int, ours: Series, peer: Series | Non
                  copy_gb_s: float) -> dict:
     record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
+    record["kernels_per_step"] = ours.kernels.get(batch_size)
     record["sample_token_ids"] = ours.tokens[batch_size]
     if peer is not None and batch_size in peer.rates:
         record.update(report.speed_fields(peer.rates[batch_size], peer_weights, copy_gb_s, prefix="peer_"))
@@ -138,13 +143,14 @@ def build_record(common: dict, batch_size: int, ours: Series, peer: Series | Non
     return record
 
 
-def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, lengths,
+def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, device, dtype, prompts, lengths,
                  progress) -> tuple[Series, Any, dict]:
     from server.engine.types import SamplingParams
 
-    progress.set_description(f"ours: building {target.name} ({quantize})")
+    side = " ".join(["ours", *([quantize] if quantize != "none" else []), *(["no graphs"] if graphs is False else [])])
+    progress.set_description(f"{side}: building {target.name}")
     max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
-    config = engine_config(opts, quantize, target, device, dtype, max(prompts), max_len)
+    config = engine_config(opts, quantize, graphs, target, device, dtype, max(prompts), max_len)
     build_s, engine = measure.timed(lambda: _build_engine(opts, target, config, device, dtype, max_len), device)
     weights = measure.weight_bytes(engine.model)
     info = {
@@ -152,6 +158,8 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
         "compile_prefill": engine.compile_prefill,  # the config's None resolved for this device and model
         "decode_attention": _decode_attention(engine),  # which attention each decode graph runs
+        "cuda_graphs": engine.runner.decode_graphs is not None and engine.runner.decode_graphs.use_graphs,
+        "kernels_counted_by": measure.kernels_counted_by(device),
     }
     total = report.gigabytes(info["weight_bytes_total"])
     progress.write(f"built {target.name} in {build_s:.1f} s: {total} of weights, "
@@ -161,10 +169,44 @@ def measure_ours(opts, quantize: str, target: Target, device, dtype, prompts, le
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         return [out.token_ids for out in engine.generate(batch, params)]
 
-    series, side = Series(), "ours" if quantize == "none" else f"ours {quantize}"
+    series = Series()
     for batch in prompts.values():
         measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
+    for batch in prompts.values():  # after all of this engine's timed calls: no profiler runs before one
+        series.kernels[len(batch)] = _try_count_kernels(engine, batch, device, side, progress)
     return series, weights, info
+
+
+def _try_count_kernels(engine, batch: list[list[int]], device, side: str, progress) -> int | None:
+    """None, with a warning, where profiling fails: the measured speeds are kept."""
+    try:
+        num_kernels = decode_step_kernels(engine, batch, device)
+    except Exception as exc:
+        progress.write(f"{side} B={len(batch)}: kernels per step not counted: {type(exc).__name__}: {_first_line(exc)}")
+        return None
+    method = measure.kernels_counted_by(device)
+    progress.write(f"{side} B={len(batch)}: {num_kernels} kernels per decode step ({method})")
+    return num_kernels
+
+
+def decode_step_kernels(engine, batch: list[list[int]], device) -> int:
+    """Kernels of one steady decode step (measure.count_kernels), counted after the timed calls so that the
+    profiler does not touch their times. The batch runs until every sequence has two tokens launched past its
+    prompt: the profiled step then launches a plain decode step (a shape the timed calls compiled and captured)
+    while it finishes the one before, as every step of a steady decode does."""
+    from server.engine.types import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(prompt, dataclasses.replace(params)) for prompt in batch]
+    for request in requests:
+        engine.add_request(request)
+    try:
+        while any(r.num_output_tokens < 2 for r in requests):
+            engine.step()
+        return measure.count_kernels(engine.step, device)
+    finally:
+        while engine.has_unfinished:  # leave the engine idle for the next generate()
+            engine.step()
 
 
 def _decode_attention(engine) -> dict[str, str] | None:
@@ -183,7 +225,8 @@ def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max
     return Engine.from_model(model, config, device, max_model_len=max_len)
 
 
-def engine_config(opts, quantize: str, target: Target, device, dtype, max_batch: int, max_len: int) -> EngineConfig:
+def engine_config(opts, quantize: str, graphs: bool | None, target: Target, device, dtype, max_batch: int,
+                  max_len: int) -> EngineConfig:
     from server.bench.random_model import empty_model
     from server.engine.model_runner import KVCache
 
@@ -197,13 +240,15 @@ def engine_config(opts, quantize: str, target: Target, device, dtype, max_batch:
     shapes = empty_model(target.hf_config, "meta", dtype).kv_cache_shapes()
     num_blocks = max_batch * (max_len // block_size) + 2
     dtype_name = str(dtype).removeprefix("torch.")
-    return dataclasses.replace(
-        base, model=target.name, device=device.type, dtype=dtype_name,
-        quantization=None if quantize == "none" else quantize,
+    settings = dict(
+        model=target.name, device=device.type, dtype=dtype_name, quantization=None if quantize == "none" else quantize,
         max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False,
         kv_cache_memory_bytes=KVCache.bytes_per_block(shapes, block_size, dtype) * num_blocks,
-        **opts.engine_options,
     )
+    settings.update(opts.engine_options)  # the user's --engine-option wins over the bench's own sizing
+    if graphs is not None:
+        settings["cuda_graphs"] = graphs
+    return dataclasses.replace(base, **settings)
 
 
 def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: bool, progress) -> Series:

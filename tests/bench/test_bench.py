@@ -13,19 +13,21 @@ import math
 import pytest
 import torch
 
-from server.bench import measure, presets
+from server.bench import measure, presets, run
 from server.bench.peer import build_peer_from_preset
 from server.bench.random_model import build_random_model, empty_model, init_value
 from server.cli import main
 from server.config import EngineConfig
 from server.engine.engine import Engine
+from server.engine.types import SamplingParams
 from server.engine.weights import read_config
 
 REQUIRED = ["preset", "device", "dtype", "quantize", "batch_size", "prompt_len", "decode_tok_s", "prefill_tok_s",
             "ms_per_token", "weight_bytes_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction", "compile_s",
-            "torch_version", "gpu_name", "peer_decode_tok_s", "speedup_vs_peer"]
+            "torch_version", "gpu_name", "peer_decode_tok_s", "speedup_vs_peer", "kernels_per_step",
+            "kernels_counted_by", "cuda_graphs"]
 POSITIVE = ["decode_tok_s", "prefill_tok_s", "ms_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction",
-            "peer_decode_tok_s", "peer_prefill_tok_s", "speedup_vs_peer", "weight_bytes_per_token"]
+            "peer_decode_tok_s", "peer_prefill_tok_s", "speedup_vs_peer", "weight_bytes_per_token", "kernels_per_step"]
 
 
 def expected_bytes_per_token(c: dict, itemsize: int) -> int:
@@ -44,7 +46,7 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     code = main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "8", "--prompt-len",
                  "16", "--json", str(out), "--compare", "transformers", "--device", "cpu", "--reps", "1",
-                 "--copy-mib", "8", "--quantize", "none,fp8", "--engine-option", "max_num_seqs=4"])
+                 "--copy-mib", "8", "--quantize", "none,fp8", "--engine-option", "compile_prefill=false"])
     assert code == 0
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["quantize"], r["batch_size"]) for r in records] == [("none", 1), ("none", 2), ("fp8", 1), ("fp8", 2)]
@@ -58,7 +60,7 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
         assert not [k for k in REQUIRED if k not in r]
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in POSITIVE), {k: r[k] for k in POSITIVE}
         assert r["compile_s"] >= 0 and r["dtype"] == "float32" and r["device"] == "cpu"
-        assert r["engine_options"] == {"max_num_seqs": 4}  # recorded, so A/B lines tell themselves apart
+        assert r["engine_options"] == {"compile_prefill": False}  # recorded, so A/B lines tell themselves apart
         assert r["weight_bytes_per_token"] == expected_bytes_per_token(config, 4)
         assert r["speedup_vs_peer"] == pytest.approx(r["decode_tok_s"] / r["peer_decode_tok_s"])
         assert r["roofline_fraction"] == pytest.approx(r["achieved_gb_s"] / r["copy_gb_s"])
@@ -70,6 +72,102 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     assert two["weight_bytes_per_step"] > one["weight_bytes_per_step"] == one["weight_bytes_per_token"]
     table = capsys.readouterr().out
     assert "decode tok/s" in table and "speedup" in table and "quantize=none,fp8" in table
+
+
+def test_bench_measures_both_graph_modes_side_by_side(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    assert main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "4", "--prompt-len", "8",
+                 "--json", str(out), "--device", "cpu", "--reps", "1", "--copy-mib", "1", "--graphs", "on,off"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    asked = [(r["engine_config"]["cuda_graphs"], r["batch_size"]) for r in records]
+    assert asked == [(True, 1), (True, 2), (False, 1), (False, 2)]
+    assert not any(r["cuda_graphs"] for r in records)  # the CPU never replays CUDA graphs, whatever was asked
+    for r in records:
+        assert r["kernels_counted_by"] == "aten_ops"
+        assert isinstance(r["kernels_per_step"], int) and r["kernels_per_step"] > 20  # 3 layers' ops, at least
+        assert r["decode_tok_s"] > 0
+    on, off = records[:2], records[2:]
+    assert [r["kernels_per_step"] for r in on] == [r["kernels_per_step"] for r in off]  # the same eager engine
+    table = capsys.readouterr().out
+    assert "kernels/step" in table and "kernels/step counted as aten_ops" in table
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["n/a"], ["off"])]
+    modes = ["n/a", "n/a", "off", "off"]  # graphs asked for but none on the CPU, then turned off
+    assert [(row[0], row[1], row[4]) for row in rows] == [
+        (mode, str(r["batch_size"]), str(r["kernels_per_step"])) for mode, r in zip(modes, records, strict=True)]
+
+
+def test_graph_mode_options():
+    from server.bench.options import options_from_args
+    from server.cli import build_parser
+
+    def parse(*flags):
+        return options_from_args(build_parser().parse_args(["bench", "--preset", "tiny-moe", *flags]))
+
+    assert parse().graphs == (None,)
+    assert parse("--no-graphs").graphs == (False,) == parse("--graphs", "off").graphs
+    assert parse("--graphs", "on,off").graphs == (True, False)
+    assert parse("--graphs", "off,on,off").graphs == (False, True)
+    config = run.engine_config(parse(), "none", False, run.resolve_target(parse()), torch.device("cpu"),
+                               torch.float32, 2, 40)
+    assert config.cuda_graphs is False
+
+
+def _tiny_engine(num_layers: int) -> Engine:
+    config = dict(presets.load_preset("tiny-moe").hf_config, num_hidden_layers=num_layers)
+    cpu = torch.device("cpu")
+    model = build_random_model(config, cpu, torch.float32, seed=0)
+    return Engine.from_model(model, EngineConfig(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20), cpu)
+
+
+def _generate_kernels(engine: Engine, prompts: list[list[int]], num_new: int) -> int:
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    return measure.count_kernels(lambda: engine.generate(prompts, params), torch.device("cpu"))
+
+
+def test_kernels_per_step_count_one_decode_step_and_grow_by_layer():
+    """The count is one decode step's: what each extra step adds to a whole generate(), and each MoE layer adds
+    the same ops."""
+    cpu, prompts = torch.device("cpu"), [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    counts = {}
+    for num_layers in (3, 4, 5):  # layer 0 dense, the others MoE
+        engine = _tiny_engine(num_layers)
+        counts[num_layers] = run.decode_step_kernels(engine, prompts, cpu)
+        whole_run = {n: _generate_kernels(engine, prompts, n) for n in (6, 9)}
+        assert whole_run[9] - whole_run[6] == 3 * counts[num_layers]
+        assert not engine.has_unfinished
+    assert counts[5] - counts[4] == counts[4] - counts[3] > 10  # a MoE layer: norms, attention, router, experts
+    assert counts[3] > counts[5] - counts[3]  # plus the embedding, final norm, LM head and argmax
+
+
+def test_aten_ops_leave_out_views_allocations_and_no_op_conversions():
+    x = torch.randn(8, 8)
+
+    def ops():
+        torch.nn.functional.linear(x, x).relu()  # 2
+        x.view(-1), x.t(), x.reshape(4, 16), x[1:3], x.to(torch.float32), torch.empty(3), x.contiguous()  # 0
+        x.t().contiguous(), x.to(torch.float16), torch.zeros(2), x.sum()  # 4
+
+    assert measure.count_kernels(ops, torch.device("cpu")) == 6
+
+
+class _Trace:
+    def __init__(self, events):
+        self.events = events
+
+    def export_chrome_trace(self, path):
+        with open(path, "w") as handle:
+            json.dump({"traceEvents": self.events}, handle)
+
+
+def test_cuda_kernels_count_graph_replays_and_refuse_untraced_ones():
+    launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 7}}
+    kernels = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "args": {"correlation": 7}} for i in range(3)]
+    others = [{"ph": "X", "cat": "kernel", "name": "eager", "args": {"correlation": 9}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "args": {"correlation": 8}},
+              {"ph": "f", "cat": "ac2g", "name": "flow", "args": {"correlation": 7}}]
+    assert measure._count_cuda_kernels(_Trace([launch, *kernels, *others])) == 4
+    with pytest.raises(RuntimeError, match="no kernels of 1 CUDA graph replays"):
+        measure._count_cuda_kernels(_Trace([launch, *others]))
 
 
 def test_transformers_gets_exactly_our_random_weights():
@@ -189,6 +287,14 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
     assert main(["bench", "--preset", "tiny-moe", "--device", "cpu", "--engine-option", "no_such=1",
                  "--copy-mib", "1"]) == 2
     assert "unknown EngineConfig fields ['no_such']" in capsys.readouterr().err
+    assert main(["bench", "--preset", "tiny-moe", "--no-graphs", "--engine-option", "cuda_graphs=true"]) == 2
+    assert "with --graphs or --no-graphs, not --engine-option cuda_graphs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "tiny-moe", "--graphs", "on,maybe"])
+    assert "--graphs takes on, off or on,off, got 'on,maybe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--preset", "tiny-moe", "--graphs", "on", "--no-graphs"])
+    assert "not allowed with argument" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: usage error, exit 2
         main(["bench", "--preset", "tiny-moe", "--quantize", "none,int4"])
     assert "--quantize takes none, fp8 or a comma list of them, got 'none,int4'" in capsys.readouterr().err
