@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU runs recorded in docs/PERF.md, one case per device call (each well inside the 10-minute call limit).
+# Run on the GPU machine from the repo root; results land in $OUT (or ./out).
+#   bash benchmarks/h200_runs.sh CASE...
+#   llama      Llama-3.1-8B, batches 1 and 16, with and without CUDA graphs, beside transformers
+#   qwen       Qwen3-30B-A3B, batch 1, with and without CUDA graphs
+#   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs
+#   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
+set -u
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+for case in "$@"; do
+  start=$SECONDS
+  case $case in
+    llama) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1,16 --graphs on,off \
+             --compare transformers --json "$out/llama.jsonl" > "$out/llama.txt" 2>&1 ;;
+    qwen) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs on,off \
+            --json "$out/qwen.jsonl" > "$out/qwen.txt" 2>&1 ;;
+    qwenfp8) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --quantize none,fp8 \
+               --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
+    breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
+                 > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
+    *) echo "unknown case $case"; exit 2 ;;
+  esac
+  echo "== $case: exit $? after $((SECONDS - start)) s"
+  tail -n 25 "$out/$case.txt" 2>/dev/null || tail -c 3000 "$out/$case.json"
+done
