@@ -145,7 +145,7 @@ class AsyncEngine:
 
     def warm_up(self) -> float:
         """Engine.warm_up on the engine thread, which then serves (any per-thread device state warms where it is
-        used; the H200 showed no difference from the main thread, session 7). Returns its seconds."""
+        used). Returns its seconds."""
         return self.call(self.engine.warm_up)
 
     def call(self, function: Callable[[], Any]) -> Any:
@@ -245,8 +245,8 @@ class AsyncEngine:
                     log.debug("aborted %s", value)
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
-        """One wake-up of each event loop per step, not one per token: at 16 streams the per-call cost of
-        call_soon_threadsafe (a self-pipe write and a loop wake-up) showed in SSE delivery."""
+        """One wake-up of each event loop per step, not one per token: with many streams the per-call cost of
+        call_soon_threadsafe (a self-pipe write and a loop wake-up) adds up in SSE delivery."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, StreamDelta]]] = {}
         for delta in deltas:
             handle = self._handles.get(delta.request_id)
