@@ -26,7 +26,8 @@ from server.engine.types import StreamDelta
 async def run(num_streams: int, num_steps: int, keepalive_s: float | None = None) -> float:
     loop = asyncio.get_running_loop()
     owner = SimpleNamespace(queue_abort=lambda request_id: None)
-    handles = [AsyncRequestHandle(owner, SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=8), loop) for i in range(num_streams)]
+    handles = [AsyncRequestHandle(owner, SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=8), loop)
+               for i in range(num_streams)]
     metrics = Metrics(lambda: None)
     done = {"tokens": 0}
     step_drained = asyncio.Event()

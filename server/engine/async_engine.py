@@ -127,7 +127,8 @@ class AsyncEngine:
         )
         return ChatPrompt(text)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> AsyncRequestHandle:
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncRequestHandle:
         num_waiting = self._stats.num_waiting + self._num_pending
         if num_waiting >= self.max_waiting_requests:
             raise QueueFullError(num_waiting)

@@ -51,7 +51,8 @@ def load_pretrained(config: EngineConfig) -> tuple[torch.nn.Module, Tokenizer, t
     return model, tokenizer, device, dtype, min(config.max_model_len or limit, limit)
 
 
-def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int) -> EngineParts:
+def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                max_model_len: int) -> EngineParts:
     specs = model.state_shapes() if hasattr(model, "state_shapes") else None
     # The state pool is allocated first: the KV budget's share of free memory then accounts for it.
     state_cache, state_slots, state_bytes = state_pool(
@@ -65,7 +66,8 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
     allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
     kv_manager = KVManager(allocator, state_slots)
-    scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv_manager)
+    limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    scheduler = Scheduler(limits, kv_manager)
     graphs = decode_graphs(model, config, device, dtype, kv_cache, state_cache, max_model_len)
     runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, graphs, state_cache)
     compile_prefill = wants_compiled_prefill(config, device, graphs is not None, state_cache is not None)
@@ -83,7 +85,8 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, state_bytes: int
     return int(device_mod.free_memory_bytes(device) * config.kv_cache_memory_fraction) - state_bytes
 
 
-def num_kv_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int) -> int:
+def num_kv_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,
+                  max_num_seqs: int) -> int:
     """Blocks that fit the budget, at most enough for max_num_seqs sequences of max_model_len tokens."""
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = min(budget_bytes // bytes_per_block, max_num_seqs * blocks_per_seq)
@@ -105,9 +108,9 @@ def decode_graphs(model, config: EngineConfig, device: torch.device, dtype: torc
 
 
 def wants_compiled_prefill(config: EngineConfig, device: torch.device, decode_compiled: bool, hybrid: bool) -> bool:
-    """An explicit setting wins. None: on where it was measured faster: with the compiled decode step, on CUDA,
-    bf16/fp16 weights (FP8 prefill compiled is not measured yet), attention-only models (a hybrid's
-    dynamic-shape prefill graph takes minutes to compile cold)."""
+    """An explicit setting wins. None: on where compiling makes prefill faster: with the compiled decode step, on
+    CUDA, bf16/fp16 weights (FP8 prefill stays eager until compiling it is shown to pay), attention-only models
+    (a hybrid's dynamic-shape prefill graph takes minutes to compile cold)."""
     if config.compile_prefill is not None:
         return config.compile_prefill
     return decode_compiled and device.type == "cuda" and not hybrid and config.quantization is None

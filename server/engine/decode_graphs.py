@@ -24,8 +24,8 @@ NULL_BLOCK = 0
 
 def use_flex_at_batch_1(device: torch.device, dtype: torch.dtype, block_size: int, attention_only: bool) -> bool:
     """Whether the batch-1 decode step runs its attention as one FlexAttention kernel over the paged cache
-    (faster than gather + SDPA where it was measured). Only on CUDA for attention-only models, and only where its
-    compiled probe is right on this device; larger batches keep SDPA, whose one symbolic-batch graph serves
+    (faster than gather + SDPA on CUDA). Only on CUDA for attention-only models, and only where its compiled
+    probe is right on this device; larger batches keep SDPA, whose one symbolic-batch graph serves
     every bucket, where flex needs a static batch and so one compile per bucket."""
     if device.type != "cuda" or not attention_only:
         return False
@@ -75,7 +75,8 @@ class DecodeRows:
     def pack_row(self, token_id: int, position: int, kv_slot: int, feed_row: int, state_slot: int | None,
                  block_table: list[int], num_blocks: int) -> list[int]:
         state = [state_slot] if self.scratch_state_slot is not None else []
-        return [token_id, position, kv_slot, feed_row] + state + block_table + [NULL_BLOCK] * (num_blocks - len(block_table))
+        table = block_table + [NULL_BLOCK] * (num_blocks - len(block_table))
+        return [token_id, position, kv_slot, feed_row] + state + table
 
     def padding_row(self, num_blocks: int) -> list[int]:
         """A row that fills a bucket: it reads and writes the null block (and, in hybrids, the scratch state)."""

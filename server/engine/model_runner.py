@@ -190,7 +190,8 @@ class ModelRunner:
             kv_slot = request.block_ids[pos // block_size] * block_size + pos % block_size
             state_slot = state_slots[row] if state_slots is not None else None
             table = request.block_ids[: pos // block_size + 1]
-            packed.append(graphs.rows.pack_row(max(token_id, 0), pos, kv_slot, feed_row, state_slot, table, padded_blocks))
+            packed.append(graphs.rows.pack_row(max(token_id, 0), pos, kv_slot, feed_row, state_slot, table,
+                                               padded_blocks))
         packed.extend([graphs.rows.padding_row(padded_blocks)] * (padded_seqs - len(chunks)))
         host = torch.tensor(packed, dtype=torch.int64)  # [B_pad, num_fixed + blocks_pad]
         if self.device.type == "cuda":
