@@ -1,5 +1,5 @@
 """Event-loop time per streamed token between the engine thread's hand-off and an SSE chunk string, without a
-model or sockets: N AsyncEngine handles, one `_put_all` per simulated step (as the engine thread schedules it),
+model or sockets: N AsyncEngine handles, one `put_all` per simulated step (as the engine thread schedules it),
 each stream read through the HTTP layer's Generation and rendered with `sse_data`, as the completions route does.
 
     PYTHONPATH=. python3 benchmarks/stream_path_cost.py [--streams 16] [--steps 2000]
@@ -13,27 +13,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import queue
-import threading
 import time
 from types import SimpleNamespace
 
 from server.api.generation import Choice, Generation
 from server.api.metrics import Metrics
 from server.api.sse import sse_data
-from server.engine.async_engine import _Handle, _put_all
+from server.engine.async_engine import AsyncRequestHandle, put_all
 from server.engine.types import StreamDelta
 
 
 async def run(num_streams: int, num_steps: int, keepalive_s: float | None = None) -> float:
     loop = asyncio.get_running_loop()
-    owner = SimpleNamespace(_commands=queue.SimpleQueue(), _wakeup=threading.Event())
-    handles = [_Handle(owner, SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=8), loop) for i in range(num_streams)]
+    owner = SimpleNamespace(queue_abort=lambda request_id: None)
+    handles = [AsyncRequestHandle(owner, SimpleNamespace(request_id=f"r{i}", num_prompt_tokens=8), loop)
+               for i in range(num_streams)]
     metrics = Metrics(lambda: None)
     done = {"tokens": 0}
     step_drained = asyncio.Event()
 
-    async def consume(handle: _Handle) -> None:
+    async def consume(handle: AsyncRequestHandle) -> None:
         gen = Generation([Choice(0, 0, handle)], metrics, time.monotonic())
         async for _, delta in gen.events(keepalive_s):
             sse_data({"id": "cmpl-1", "object": "text_completion", "choices": [
@@ -48,7 +47,7 @@ async def run(num_streams: int, num_steps: int, keepalive_s: float | None = None
     for step in range(num_steps):
         finish = "length" if step == num_steps - 1 else None
         step_drained.clear()
-        _put_all([(h, StreamDelta(h.request_id, " t", [5], finish_reason=finish)) for h in handles])
+        put_all([(h, StreamDelta(h.request_id, " t", [5], finish_reason=finish)) for h in handles])
         await step_drained.wait()
     await asyncio.gather(*consumers)
     return (time.perf_counter() - start) / (num_steps * num_streams) * 1e6

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 ENGINE_SWITCH_INTERVAL_S = 0.001
 
 
-class _Handle:
+class AsyncRequestHandle:
     """One submitted request: async-iterable over its deltas, or pushing them to a sink after forward();
     abort() stops it inside the engine."""
 
@@ -41,16 +41,16 @@ class _Handle:
         self.request_id = request.request_id
         self.prompt_tokens = request.num_prompt_tokens
         self._owner = owner
-        self._loop = loop
+        self.loop = loop
         self._queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
         self._sink: Callable[[StreamDelta | BaseException | None], None] | None = None
         self._sink_closed = False
         self.finished = False
 
-    def _push(self, item: StreamDelta | BaseException) -> None:  # called from the engine thread
-        self._loop.call_soon_threadsafe(self._accept, item)
+    def push(self, item: StreamDelta | BaseException) -> None:  # called from the engine thread
+        self.loop.call_soon_threadsafe(self.accept, item)
 
-    def _accept(self, item: StreamDelta | BaseException) -> None:  # on the event loop
+    def accept(self, item: StreamDelta | BaseException) -> None:  # on the event loop
         if self._sink is None:
             self._queue.put_nowait(item)
             return
@@ -66,7 +66,7 @@ class _Handle:
         """From now on hand each item to `sink` as it arrives (see RequestHandle.forward)."""
         self._sink = sink
         while not self._queue.empty():
-            self._accept(self._queue.get_nowait())
+            self.accept(self._queue.get_nowait())
 
     def __aiter__(self) -> AsyncIterator[StreamDelta]:
         return self._iterate()
@@ -85,18 +85,17 @@ class _Handle:
     async def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self._owner._commands.put(("abort", self.request_id))
-            self._owner._wakeup.set()
+            self._owner.queue_abort(self.request_id)
             final = StreamDelta(self.request_id, "", [], finish_reason="abort")
             if self._sink is None:  # wake a reader blocked in _iterate; it sees `finished` and ends
                 self._queue.put_nowait(final)
             elif not self._sink_closed:
-                self._accept(final)
+                self.accept(final)
 
 
-def _put_all(items: list[tuple[_Handle, StreamDelta]]) -> None:
+def put_all(items: list[tuple[AsyncRequestHandle, StreamDelta]]) -> None:
     for handle, delta in items:
-        handle._accept(delta)
+        handle.accept(delta)
 
 
 class AsyncEngine:
@@ -106,7 +105,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._handles: dict[str, _Handle] = {}
+        self._handles: dict[str, AsyncRequestHandle] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
@@ -128,14 +127,15 @@ class AsyncEngine:
         )
         return ChatPrompt(text)
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> _Handle:
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               request_id: str | None = None) -> AsyncRequestHandle:
         num_waiting = self._stats.num_waiting + self._num_pending
         if num_waiting >= self.max_waiting_requests:
             raise QueueFullError(num_waiting)
         if request_id is not None and request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
-        handle = _Handle(self, request, asyncio.get_running_loop())
+        handle = AsyncRequestHandle(self, request, asyncio.get_running_loop())
         self._handles[request.request_id] = handle
         with self._pending_lock:
             self._num_pending += 1
@@ -145,7 +145,7 @@ class AsyncEngine:
 
     def warm_up(self) -> float:
         """Engine.warm_up on the engine thread, which then serves (any per-thread device state warms where it is
-        used; the H200 showed no difference from the main thread, session 7). Returns its seconds."""
+        used). Returns its seconds."""
         return self.call(self.engine.warm_up)
 
     def call(self, function: Callable[[], Any]) -> Any:
@@ -173,6 +173,11 @@ class AsyncEngine:
                 yield delta
         finally:
             await handle.abort()  # no-op when it finished; frees the KV blocks when the caller left early
+
+    def queue_abort(self, request_id: str) -> None:
+        """Abort a request on the engine thread, between steps (any thread may call this)."""
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -231,7 +236,7 @@ class AsyncEngine:
                     self.engine.add_request(value)
                 except ValueError as exc:  # e.g. a request id already in use: fail this request, not the loop
                     self._handles.pop(value.request_id, None)
-                    handle._push(InvalidRequestError(str(exc), param="request_id"))
+                    handle.push(InvalidRequestError(str(exc), param="request_id"))
             elif kind == "call":  # a function to run on this thread (warm-up), its result to a Future
                 function, done = value
                 try:
@@ -245,21 +250,21 @@ class AsyncEngine:
                     log.debug("aborted %s", value)
 
     def _deliver(self, deltas: list[StreamDelta]) -> None:
-        """One wake-up of each event loop per step, not one per token: at 16 streams the per-call cost of
-        call_soon_threadsafe (a self-pipe write and a loop wake-up) showed in SSE delivery."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Handle, StreamDelta]]] = {}
+        """One wake-up of each event loop per step, not one per token: with many streams the per-call cost of
+        call_soon_threadsafe (a self-pipe write and a loop wake-up) adds up in SSE delivery."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncRequestHandle, StreamDelta]]] = {}
         for delta in deltas:
             handle = self._handles.get(delta.request_id)
             if handle is None:
                 continue
-            by_loop.setdefault(handle._loop, []).append((handle, delta))
+            by_loop.setdefault(handle.loop, []).append((handle, delta))
             if delta.finish_reason is not None:
                 self._handles.pop(delta.request_id, None)
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, handle in list(self._handles.items()):
             self.engine.abort(request_id)
-            handle._push(exc)
+            handle.push(exc)
         self._handles.clear()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -22,9 +24,9 @@ NULL_BLOCK = 0
 
 def use_flex_at_batch_1(device: torch.device, dtype: torch.dtype, block_size: int, attention_only: bool) -> bool:
     """Whether the batch-1 decode step runs its attention as one FlexAttention kernel over the paged cache
-    (faster than gather + SDPA where measured, docs/PERF.md). Only on CUDA for attention-only models, and only
-    where its compiled probe is right on this device; larger batches keep SDPA, whose one symbolic-batch graph
-    serves every bucket, where flex needs a static batch and so one compile per bucket."""
+    (faster than gather + SDPA on CUDA). Only on CUDA for attention-only models, and only where its compiled
+    probe is right on this device; larger batches keep SDPA, whose one symbolic-batch graph serves
+    every bucket, where flex needs a static batch and so one compile per bucket."""
     if device.type != "cuda" or not attention_only:
         return False
     ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
@@ -46,19 +48,60 @@ def bucket(value: int, sizes: list[int]) -> int:
     raise ValueError(f"{value} exceeds the largest bucket {sizes[-1]}")
 
 
-class DecodeGraphs:
-    """The step takes ONE packed int64 input `[B_pad, NUM_FIXED (+1) + blocks_pad]`, a row per sequence:
-    input id, position, KV slot, feed row, (hybrids: state slot,) then the block table. So a step is one
-    host-to-device copy plus the replay. A feed row >= 0 takes the input id from `last_token_ids[feed_row]`:
-    the id the previous step sampled, still on the device. The step's own greedy argmax is written back to
-    `last_token_ids` inside the graph, so a plain greedy step needs no kernel outside it."""
+class DecodeFields(NamedTuple):
+    """The columns of packed decode rows `[B_pad, num_fixed + blocks_pad]`, each `[B_pad]` but the last."""
 
-    NUM_FIXED = 4  # input id, position, slot, feed row
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor  # KV slot the row's token is written to
+    feed_rows: torch.Tensor  # >= 0: take the input id from last_token_ids[feed_row] instead
+    state_slots: torch.Tensor | None  # hybrids: the row's live state slot
+    block_tables: torch.Tensor  # [B_pad, blocks_pad]
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The layout of one packed int64 decode row: input id, position, KV slot, feed row, (hybrids: state slot,)
+    then the block table, padded with the null block to the bucket's width. The only place that knows it."""
+
+    scratch_state_slot: int | None = None  # hybrids: the state slot padded rows read and write
+
+    STATE_SLOT = 4  # the column of a hybrid's state slot
+
+    @property
+    def num_fixed(self) -> int:
+        return self.STATE_SLOT + (self.scratch_state_slot is not None)
+
+    def pack_row(self, token_id: int, position: int, kv_slot: int, feed_row: int, state_slot: int | None,
+                 block_table: list[int], num_blocks: int) -> list[int]:
+        state = [state_slot] if self.scratch_state_slot is not None else []
+        table = block_table + [NULL_BLOCK] * (num_blocks - len(block_table))
+        return [token_id, position, kv_slot, feed_row] + state + table
+
+    def padding_row(self, num_blocks: int) -> list[int]:
+        """A row that fills a bucket: it reads and writes the null block (and, in hybrids, the scratch state)."""
+        return self.pack_row(0, 0, 0, -1, self.scratch_state_slot, [], num_blocks)  # slot 0: the null block's
+
+    def num_blocks(self, packed: torch.Tensor) -> int:
+        return packed.shape[1] - self.num_fixed
+
+    def unpack(self, packed: torch.Tensor) -> DecodeFields:
+        state_slots = packed[:, self.STATE_SLOT] if self.scratch_state_slot is not None else None
+        return DecodeFields(packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3], state_slots,
+                            packed[:, self.num_fixed:])
+
+
+class DecodeGraphs:
+    """The step takes ONE packed int64 input `[B_pad, num_fixed + blocks_pad]`, a row per sequence (DecodeRows),
+    so a step is one host-to-device copy plus the replay. A feed row >= 0 takes the input id from
+    `last_token_ids[feed_row]`: the id the previous step sampled, still on the device. The step's own greedy
+    argmax is written back to `last_token_ids` inside the graph, so a plain greedy step needs no kernel outside
+    it."""
 
     def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, state_cache=None, flex_at_batch_1: bool = False):
         self.flex_at_batch_1 = flex_at_batch_1
         self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
-        self.num_fixed = self.NUM_FIXED + (state_cache is not None)
+        self.rows = DecodeRows(state_cache.scratch_slot if state_cache is not None else None)
         self.model, self.kv_layers, self.device = model, kv_layers, device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
@@ -76,11 +119,6 @@ class DecodeGraphs:
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
-    def padding_row(self, num_blocks: int) -> list[int]:
-        """A row that fills a bucket: it reads and writes the null block (and, in hybrids, the scratch state)."""
-        state = [self.state_cache.scratch_slot] if self.state_cache is not None else []
-        return [0, 0, 0, -1] + state + [NULL_BLOCK] * num_blocks  # id 0, position 0, slot 0 (the null block's), no feed
-
     @torch.inference_mode()  # as the steps' own inputs: else the CPU graphs differ in dispatch keys and recompile
     def prepare_shapes(self, max_gather_blocks: int) -> int:
         """Capture the CUDA graph of every (batch, blocks) bucket whose KV gather, batch x blocks, stays within
@@ -91,7 +129,7 @@ class DecodeGraphs:
             return 0
         keys = [key for key in self.buckets_within(max_gather_blocks) if key not in self.graphs]
         for num_seqs, num_blocks in keys:
-            packed_host = torch.tensor([self.padding_row(num_blocks)] * num_seqs, dtype=torch.int64)
+            packed_host = torch.tensor([self.rows.padding_row(num_blocks)] * num_seqs, dtype=torch.int64)
             self.run(packed_host.pin_memory())
         return len(keys)
 
@@ -100,18 +138,18 @@ class DecodeGraphs:
         return [(b, n) for b in self.batch_sizes for n in self.block_counts if b * n <= max_gather_blocks]
 
     def _forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
-        input_ids, positions, slot_mapping, feed_rows = packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3]
-        fed_ids = last_token_ids[feed_rows.clamp(min=0)]
-        input_ids = torch.where(feed_rows >= 0, fed_ids, input_ids)
-        block_tables = packed[:, self.num_fixed:]
+        rows = self.rows.unpack(packed)
+        fed_ids = last_token_ids[rows.feed_rows.clamp(min=0)]
+        input_ids, positions = torch.where(rows.feed_rows >= 0, fed_ids, rows.input_ids), rows.positions
         state = {}
-        if self.state_cache is not None:
-            state = dict(query_lens=torch.ones_like(positions), state_slots=packed[:, self.NUM_FIXED],
+        if rows.state_slots is not None:
+            state = dict(query_lens=torch.ones_like(positions), state_slots=rows.state_slots,
                          state_caches=self.state_cache.layers)
         # Batch 1 is its own graph (static size 1); larger batches share one symbolic batch size, assumed >= 2 by
         # dynamo, so this test adds no guard.
         flex = self.flex_at_batch_1 and packed.shape[0] == 1
-        meta = AttentionMetadata.for_decode(slot_mapping, block_tables, positions, flex, self.kv_layers[0], **state)
+        meta = AttentionMetadata.for_decode(rows.slot_mapping, rows.block_tables, positions, flex, self.kv_layers[0],
+                                            **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
         last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))
@@ -122,7 +160,7 @@ class DecodeGraphs:
         """packed_host: the step's packed rows on the host (pinned on CUDA). `before_write()` is called once the
         input copy is queued and before the step is: it must order the step after any reader of
         `last_token_ids`, which the step overwrites. Returns the logits [B_pad, vocab] (a static buffer)."""
-        key = (packed_host.shape[0], packed_host.shape[1] - self.num_fixed)
+        key = (packed_host.shape[0], self.rows.num_blocks(packed_host))
         if not self.use_graphs:
             packed = packed_host.to(self.device, non_blocking=True)
             self._mark_shapes(packed)
@@ -158,7 +196,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         static_packed = packed_host.to(self.device)
         if self.state_cache is not None:  # warm-up runs must not advance the real sequences' states
-            static_packed[:, self.NUM_FIXED] = self.state_cache.scratch_slot
+            static_packed[:, DecodeRows.STATE_SLOT] = self.rows.scratch_state_slot
         self._mark_shapes(static_packed)
         # The warm-up runs execute and overwrite last_token_ids, which this very step may still have to read
         # (its feed rows): restore them after each run. The capture itself executes nothing.

@@ -73,7 +73,7 @@ class CompiledSteps:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
         self._compiled = torch.compile(model, dynamic=True)
         # Hybrids specialize size 1: with it size-oblivious, the Gated DeltaNet chunked prefill fails to trace or
-        # lower (a state broadcast, a `[-1:]` slice, solve_triangular's fake strides; torch 2.13, session 5).
+        # lower (a state broadcast, a `[-1:]` slice, solve_triangular's fake strides).
         wanted = {"use_duck_shape": False, "backed_size_oblivious": size_oblivious}  # private knobs, where present
         self._shape_config = {k: v for k, v in wanted.items() if hasattr(shape_config, k)}
 
@@ -100,8 +100,8 @@ class KVCache:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs=None, state_cache=None):
         self.decode_graphs = decode_graphs  # DecodeGraphs, or None for the eager path
-        # With the compiled decode step, sampling is compiled too: the H200 measured the seeded sampler at
-        # 81 us compiled vs 740 us eager per step (docs/PERF.md, kernels); greedy-only batches stay eager (argmax).
+        # With the compiled decode step, sampling is compiled too: the seeded sampler is several times faster
+        # compiled than eager per step; greedy-only batches stay eager (argmax).
         self._sample = torch.compile(sampling.sample, fullgraph=True, dynamic=None) if decode_graphs else sampling.sample
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
@@ -187,11 +187,12 @@ class ModelRunner:
             request, pos = chunk.request, chunk.start
             token_id = request.token_ids[pos]
             feed_row = prev.sample_rows[request.request_id] if token_id == PLACEHOLDER else -1
-            slot = request.block_ids[pos // block_size] * block_size + pos % block_size
-            fixed = [max(token_id, 0), pos, slot, feed_row] + ([state_slots[row]] if state_slots is not None else [])
+            kv_slot = request.block_ids[pos // block_size] * block_size + pos % block_size
+            state_slot = state_slots[row] if state_slots is not None else None
             table = request.block_ids[: pos // block_size + 1]
-            packed.append(fixed + table + [0] * (padded_blocks - len(table)))
-        packed.extend([graphs.padding_row(padded_blocks)] * (padded_seqs - len(chunks)))
+            packed.append(graphs.rows.pack_row(max(token_id, 0), pos, kv_slot, feed_row, state_slot, table,
+                                               padded_blocks))
+        packed.extend([graphs.rows.padding_row(padded_blocks)] * (padded_seqs - len(chunks)))
         host = torch.tensor(packed, dtype=torch.int64)  # [B_pad, num_fixed + blocks_pad]
         if self.device.type == "cuda":
             host = host.pin_memory()

@@ -17,8 +17,7 @@ class RequestHandle(Protocol):
     def forward(self, sink: Callable[[StreamDelta | BaseException | None], None]) -> None:
         """Instead of iterating: hand each item to `sink` on the event loop as it arrives, each delta, then None
         once the stream ends (after the final delta, or without one after an abort); an exception raised by
-        the request is handed over instead and ends it. Saves the HTTP layer a task and a queue hop per token
-        (measured on the SSE path, docs/PERF.md)."""
+        the request is handed over instead and ends it. Saves the HTTP layer a task and a queue hop per token."""
 
     async def abort(self) -> None:
         """Stop generating; the engine frees the request's KV blocks within one step."""

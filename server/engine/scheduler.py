@@ -4,21 +4,19 @@ Each request has `num_computed_tokens` (KV written) and `num_tokens` (known). A 
 request up to the tokens it lacks (1 while decoding, a chunk while prefilling) within a token budget,
 running requests first so a long prompt delays running streams by at most one chunk. Admission is
 bounded by free KV blocks and `max_num_seqs`; when blocks run out, the newest running request is
-preempted (blocks freed, recomputed later), never failed.
+preempted (blocks freed, recomputed later), never failed. Blocks, prefix hashes and hybrid state slots are
+the KVManager's: the scheduler asks it for them.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from server.engine.block_allocator import BlockAllocator, chain_hash
+from server.engine.kv_manager import KVManager
 from server.engine.request import PLACEHOLDER, Request, RequestStatus
+from server.engine.state_slots import StateSlots
 from server.engine.types import FinishReason
-
-if TYPE_CHECKING:
-    from server.engine.state_cache import StateSlots
 
 
 @dataclass(frozen=True)
@@ -49,10 +47,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, state_slots: StateSlots | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVManager):
         self.config = config
-        self.allocator = allocator
-        self.state_slots = state_slots  # hybrid models: per-sequence state slots and snapshots
+        self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -61,6 +58,10 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def state_slots(self) -> StateSlots | None:
+        return self.kv.state_slots
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -90,11 +91,10 @@ class Scheduler:
             if not request.block_ids:
                 self._match_prefix(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, num_new):
+            if not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
-            if self.state_slots is not None:
-                request.state_slot = self.state_slots.admit()
+            self.kv.admit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
@@ -104,36 +104,17 @@ class Scheduler:
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         end = request.num_computed_tokens + num_new
         chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, sample=end == request.num_tokens)
-        if self.state_slots is not None:
-            self._register_full_blocks(request)  # a block-boundary state snapshot is keyed by its hash
-            chunk.state_restore, chunk.state_save = self.state_slots.plan(
-                request.request_id, request.block_hashes, chunk.start
-            )
+        chunk.state_restore, chunk.state_save = self.kv.plan_state_copies(request, chunk.start)
         return chunk
 
     def _match_prefix(self, request: Request) -> None:
-        if request.return_all_logits:
-            return  # scoring needs the logits of every position, so nothing may be skipped
-        block_ids, hashes = self.allocator.match_prefix(request.token_ids)
-        if self.state_slots is not None:  # hybrids reuse KV only up to a block whose state snapshot exists
-            keep = self.state_slots.match(request.request_id, hashes)
-            self.allocator.free(block_ids[keep:])
-            block_ids, hashes = block_ids[:keep], hashes[:keep]
-        request.block_ids, request.block_hashes = block_ids, hashes
-        request.num_computed_tokens = len(block_ids) * self.allocator.block_size
+        request.num_computed_tokens = self.kv.match_prefix(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
             self.num_prefix_hit_tokens += request.num_computed_tokens
 
-    def _reserve(self, request: Request, num_new: int) -> bool:
-        needed = -(-(request.num_computed_tokens + num_new) // self.allocator.block_size) - len(request.block_ids)
-        if needed > self.allocator.num_free:
-            return False
-        request.block_ids.extend(self.allocator.allocate() for _ in range(needed))
-        return True
-
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        while not self._reserve(request, num_new):
+        while not self.kv.allocate(request, request.num_computed_tokens + num_new):
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_ids.append(victim.request_id)
@@ -142,9 +123,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self._release_state(request)
-        self.allocator.free(request.block_ids)
-        request.block_ids, request.block_hashes = [], []
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -157,7 +136,7 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
             if chunk.state_save is not None:
-                self.state_slots.publish(chunk.state_save)  # hybrids: the snapshot copy is queued now
+                self.kv.publish_state(chunk.state_save)  # hybrids: the snapshot copy is queued now
             if chunk.sample and not request.return_all_logits:
                 request.token_ids.append(PLACEHOLDER)
                 request.num_pending_tokens += 1
@@ -176,7 +155,7 @@ class Scheduler:
             if request.is_finished:
                 continue  # aborted or stopped while the step ran: the token is discarded
             request.token_ids[index] = token_id
-            self._register_full_blocks(request)
+            self.kv.register_full_blocks(request)
             updated.append((request, token_id))
             if token_id in request.stop_token_ids:
                 self._finish_at(request, index, FinishReason.STOP.value)
@@ -188,15 +167,6 @@ class Scheduler:
         del request.token_ids[index + 1 :]  # drop a placeholder already queued for the next step
         self.finish(request, reason)
 
-    def _register_full_blocks(self, request: Request) -> None:
-        size = self.allocator.block_size
-        num_full = min(request.num_computed_tokens, request.num_tokens - request.num_pending_tokens) // size
-        for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            block_hash = chain_hash(parent, request.token_ids[i * size : (i + 1) * size])
-            request.block_hashes.append(block_hash)
-            self.allocator.register_full_block(request.block_ids[i], block_hash)
-
     def finish(self, request: Request, reason: str) -> None:
         """End a request now (stop, length or abort) and free its blocks at once."""
         if request.is_finished:
@@ -205,17 +175,10 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self._release_state(request)
-        self.allocator.free(request.block_ids)
-        request.block_ids = []
+        self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.requests.pop(request.request_id, None)
-
-    def _release_state(self, request: Request) -> None:
-        if self.state_slots is not None:
-            self.state_slots.release(request.request_id, request.state_slot)
-            request.state_slot = None
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)

@@ -1,147 +1,32 @@
 """Per-sequence fixed-size state of hybrid models (short-conv and Gated DeltaNet layers), beside the paged KV.
 
 `StateCache` holds, per state layer, tensors `[num_slots + 1, ...]` on the device (the last is scratch for the
-padded rows of a compiled decode batch). `StateSlots` (plain Python, used by the scheduler) decides which slot
-each sequence uses:
-
-- live slots `[0, num_live)`: one per running sequence, taken at admission and returned when the sequence
-  finishes, is aborted or preempted. A sequence that starts at position 0 gets its slot zeroed.
-- snapshot slots after them: a copy of a sequence's state taken at the start of a step whose first position
-  is a multiple of block_size, keyed by the chained hash of the last full block (Request.block_hashes), so
-  the key names exactly the tokens the state has consumed. Each running sequence keeps one rolling snapshot
-  (its latest block boundary); when it finishes the snapshot stays cached (LRU) for the next chat turn.
-  A snapshot's key is published only when the step carrying its copy is launched (`publish`).
-
-A hybrid may only reuse prefix KV up to a block boundary whose state snapshot exists (`StateSlots.match`);
-the snapshot is copied into its live slot before its first step. The copies run on the device in the order
-restores, resets, saves, so a snapshot read and overwritten in the same step is read first.
+padded rows of a compiled decode batch). Which slot each sequence uses, and which snapshot slot holds the state
+at which block boundary, is `StateSlots`' bookkeeping (server.engine.state_slots). The copies run on the device
+in the order restores, resets, saves, so a snapshot read and overwritten in the same step is read first.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 
+from server.engine.state_slots import StateSlots
+
 StateSpec = list[tuple[tuple[int, ...], torch.dtype | None]]  # one state layer: (shape, dtype or None = model)
 
 
-class StateSlots:
-    """Slot bookkeeping for the scheduler (no torch use). Requests carry their live slot in `state_slot`."""
-
-    def __init__(self, num_live: int, num_snapshots: int, block_size: int):
-        self.num_live, self.num_snapshots, self.block_size = num_live, num_snapshots, block_size
-        self.free_live = list(range(num_live - 1, -1, -1))
-        self.free_snapshots = list(range(num_live + num_snapshots - 1, num_live - 1, -1))
-        self.slot_of_hash: dict[bytes, int] = {}
-        self.hash_of_slot: dict[int, bytes] = {}
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unowned, unpinned; oldest first
-        self.owner_of: dict[int, str] = {}  # snapshot slot -> request id whose rolling snapshot it is
-        self.owned: dict[str, int] = {}  # request id -> its rolling snapshot slot
-        self.pins: dict[int, int] = {}  # snapshot slot -> restores not yet copied out
-        self.restore: dict[str, int] = {}  # request id -> snapshot to copy into its live slot first
-        self.unpublished: dict[int, bytes] = {}  # snapshot slot -> key, until its save is launched
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_live + self.num_snapshots
-
-    def match(self, request_id: str, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of a prefix hit may be used: the longest run ending at a block whose
-        state snapshot exists (0: none, compute from the start). The snapshot is pinned until restored."""
-        self._drop_restore(request_id)
-        for num_blocks in range(len(block_hashes), 0, -1):
-            slot = self.slot_of_hash.get(block_hashes[num_blocks - 1])
-            if slot is not None:
-                self.restore[request_id] = slot
-                self.pins[slot] = self.pins.get(slot, 0) + 1
-                self.evictable.pop(slot, None)
-                return num_blocks
-        return 0
-
-    def admit(self) -> int:
-        """A live slot for a sequence entering the running set (the scheduler bounds them by num_live)."""
-        return self.free_live.pop()
-
-    def plan(self, request_id: str, block_hashes: Sequence[bytes], start: int) -> tuple[int | None, int | None]:
-        """(snapshot to restore, snapshot slot to save into) before the step whose first position is `start`."""
-        restore = self.restore.pop(request_id, None)
-        if restore is not None:
-            self._unpin(restore)
-            return restore, None
-        num_blocks = start // self.block_size
-        if not self.num_snapshots or start == 0 or start % self.block_size or len(block_hashes) < num_blocks:
-            return None, None  # not at a block boundary, or its hash is not known yet (token in flight)
-        key = block_hashes[num_blocks - 1]
-        if key in self.slot_of_hash:
-            return None, None  # this state is cached already
-        slot = self._take_snapshot_slot(request_id)
-        if slot is not None:
-            self.unpublished[slot] = key
-        return None, slot
-
-    def publish(self, slot: int) -> None:
-        """The save into `slot` was launched: its key may be matched from now on. (A step dropped before
-        launch, e.g. its request stopped meanwhile, never publishes: the slot would hold an older state.)"""
-        key = self.unpublished.pop(slot, None)
-        if key is not None and slot in self.owner_of:
-            self.slot_of_hash[key], self.hash_of_slot[slot] = slot, key
-
-    def release(self, request_id: str, live_slot: int | None) -> None:
-        """The sequence finished, was aborted or preempted: its live slot returns, its snapshot stays cached."""
-        if live_slot is not None:
-            self.free_live.append(live_slot)
-        self._drop_restore(request_id)
-        slot = self.owned.pop(request_id, None)
-        if slot is not None:
-            del self.owner_of[slot]
-            self._maybe_evictable(slot)
-
-    def _take_snapshot_slot(self, request_id: str) -> int | None:
-        slot = self.owned.get(request_id)
-        if slot is not None:
-            if not self.pins.get(slot):
-                self._forget_key(slot)
-                return slot  # roll this sequence's snapshot forward
-            del self.owned[request_id], self.owner_of[slot]  # someone will restore it: leave it cached
-        if self.free_snapshots:
-            slot = self.free_snapshots.pop()
-        elif self.evictable:
-            slot, _ = self.evictable.popitem(last=False)
-            self._forget_key(slot)
-        else:
-            return None
-        self.owned[request_id], self.owner_of[slot] = slot, request_id
-        return slot
-
-    def _forget_key(self, slot: int) -> None:
-        self.unpublished.pop(slot, None)
-        key = self.hash_of_slot.pop(slot, None)
-        if key is not None and self.slot_of_hash.get(key) == slot:
-            del self.slot_of_hash[key]
-
-    def _drop_restore(self, request_id: str) -> None:
-        slot = self.restore.pop(request_id, None)
-        if slot is not None:
-            self._unpin(slot)
-
-    def _unpin(self, slot: int) -> None:
-        self.pins[slot] -= 1
-        if not self.pins[slot]:
-            del self.pins[slot]
-            self._maybe_evictable(slot)
-
-    def _maybe_evictable(self, slot: int) -> None:
-        """An unowned, unpinned snapshot is evictable (LRU) if it holds a published state, else free."""
-        if slot in self.owner_of or self.pins.get(slot):
-            return
-        if slot in self.hash_of_slot:
-            self.evictable[slot] = None
-            self.evictable.move_to_end(slot)
-        else:
-            self.unpublished.pop(slot, None)
-            self.free_snapshots.append(slot)
+def state_pool(specs: list[StateSpec] | None, max_num_seqs: int, enable_prefix_caching: bool, block_size: int,
+               dtype: torch.dtype, device: torch.device) -> tuple[StateCache | None, StateSlots | None, int]:
+    """Hybrid models (`specs` given): one live slot per running sequence plus as many block-boundary snapshots
+    (prefix reuse of a conversation's states) when prefix caching is on. -> (the state tensors, their slot
+    bookkeeping, their bytes); (None, None, 0) for attention-only models."""
+    if specs is None:
+        return None, None, 0
+    slots = StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
+    cache = StateCache(specs, slots.num_slots, dtype, device)
+    return cache, slots, cache.nbytes
 
 
 class StateCache:
@@ -157,20 +42,9 @@ class StateCache:
             for spec in specs
         ]
 
-    @staticmethod
-    def total_bytes(specs: list[StateSpec], num_slots: int, dtype: torch.dtype) -> int:
-        return StateCache.bytes_per_slot(specs, dtype) * (num_slots + 1)
-
-    @staticmethod
-    def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
-        total = 0
-        for spec in specs:
-            for shape, tdtype in spec:
-                numel = 1
-                for dim in shape:
-                    numel *= dim
-                total += numel * torch.empty((), dtype=tdtype or dtype).element_size()
-        return total
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors in self.layers for t in tensors)
 
     def prepare(self, chunks, meta) -> None:
         """Before a step: the state copies (`apply_copies`), then point `meta` at the sequences' slots.

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 from types import SimpleNamespace
 
 import pytest
 
-from server.engine.async_engine import _Handle, _put_all
+from server.engine.async_engine import AsyncRequestHandle, put_all
 from server.engine.types import EngineError, StreamDelta
 
 
 def make_handle(loop):
-    owner = SimpleNamespace(_commands=queue.SimpleQueue(), _wakeup=threading.Event())
+    owner = SimpleNamespace(aborted=[])
+    owner.queue_abort = owner.aborted.append
     request = SimpleNamespace(request_id="r1", num_prompt_tokens=3)
-    return _Handle(owner, request, loop), owner
+    return AsyncRequestHandle(owner, request, loop), owner
 
 
 def delta(text, finish=None):
@@ -27,12 +27,12 @@ def test_forward_flushes_earlier_items_then_pushes_and_closes_after_the_final_de
     async def run():
         handle, _ = make_handle(asyncio.get_running_loop())
         got = []
-        _put_all([(handle, delta("a"))])  # arrived before anyone listened
+        put_all([(handle, delta("a"))])  # arrived before anyone listened
         handle.forward(got.append)
-        _put_all([(handle, delta("b"))])
-        handle._push(delta("c", "stop"))  # from the engine thread: lands on the loop
+        put_all([(handle, delta("b"))])
+        handle.push(delta("c", "stop"))  # from the engine thread: lands on the loop
         await asyncio.sleep(0)
-        _put_all([(handle, delta("late"))])  # nothing after the end
+        put_all([(handle, delta("late"))])  # nothing after the end
         return got, handle.finished
 
     got, finished = asyncio.run(run())
@@ -45,9 +45,9 @@ def test_forward_hands_over_an_engine_error_and_ends_without_none():
         handle, _ = make_handle(asyncio.get_running_loop())
         got = []
         handle.forward(got.append)
-        handle._push(EngineError("device lost"))
+        handle.push(EngineError("device lost"))
         await asyncio.sleep(0)
-        handle._push(delta("x"))
+        handle.push(delta("x"))
         await asyncio.sleep(0)
         return got
 
@@ -60,15 +60,15 @@ def test_abort_in_push_mode_tells_the_engine_and_ends_the_stream_once():
         handle, owner = make_handle(asyncio.get_running_loop())
         got = []
         handle.forward(got.append)
-        _put_all([(handle, delta("a"))])
+        put_all([(handle, delta("a"))])
         await handle.abort()
         await handle.abort()
-        _put_all([(handle, delta("in flight"))])
+        put_all([(handle, delta("in flight"))])
         return got, owner
 
     got, owner = asyncio.run(run())
     assert [d.finish_reason if d is not None else None for d in got] == [None, "abort", None]
-    assert owner._commands.get_nowait() == ("abort", "r1") and owner._commands.empty()
+    assert owner.aborted == ["r1"]
 
 
 class _WarmUpEngine:
@@ -129,10 +129,10 @@ def test_generation_keepalive_ticks_only_while_idle_and_its_timer_ends_with_the_
         task = asyncio.create_task(consume())
         await asyncio.sleep(0.25)  # idle from the start: keepalives
         for piece in "abcdefgh":  # one token every 5 ms: no keepalive among them
-            _put_all([(handle, delta(piece))])
+            put_all([(handle, delta(piece))])
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.25)  # idle between tokens: keepalives again
-        _put_all([(handle, delta("z", "stop"))])
+        put_all([(handle, delta("z", "stop"))])
         await asyncio.wait_for(task, 5)
         return events, gen._keepalive
 

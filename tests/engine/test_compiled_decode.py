@@ -34,7 +34,7 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=3.0, logprobs=2, ignore_eos=True)
     mixed = [penalized, params, SamplingParams(max_tokens=8, temperature=0.0, logit_bias={7: 5.0}, ignore_eos=True)]
     want, got = ([e.make_request(p, m) for p, m in zip(prompts, mixed, strict=True)] for e in (eager, compiled))
-    want, got = eager._run_to_completion(want), compiled._run_to_completion(got)
+    want, got = eager.run_to_completion(want), compiled.run_to_completion(got)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[0].token_ids != expected[0][:8]  # the penalty did change the greedy picks
     for a, b in zip(got[0].logprobs, want[0].logprobs, strict=True):
@@ -133,18 +133,13 @@ def test_compiled_steps_match_eager_logprobs(tiny_checkpoint):
     ("cuda", True, False, None, False, False),
 ])
 def test_compile_prefill_default(device, decode_compiled, hybrid, quantization, setting, expected):
-    import types
-
     import torch
 
     from server.config import EngineConfig
+    from server.engine.build import wants_compiled_prefill
 
-    engine = types.SimpleNamespace(
-        config=EngineConfig(compile_prefill=setting, quantization=quantization), device=torch.device(device),
-        runner=types.SimpleNamespace(decode_graphs=object() if decode_compiled else None),
-        state_cache=object() if hybrid else None,
-    )
-    assert Engine._wants_compiled_prefill(engine) is expected
+    config = EngineConfig(compile_prefill=setting, quantization=quantization)
+    assert wants_compiled_prefill(config, torch.device(device), decode_compiled, hybrid) is expected
 
 
 def test_flex_at_batch_1_only_on_cuda_for_attention_only_models_where_its_probe_passes(monkeypatch):

@@ -41,4 +41,4 @@ def test_kv_cache_keeps_k_and_v_side_by_side_per_layer(tiny_checkpoint):
     assert len(cache.layers) == len(shapes)
     for layer, (kv_heads, head_dim) in zip(cache.layers, shapes, strict=True):
         assert layer.shape == (cache.num_blocks, ENGINE_KW["block_size"], 2, kv_heads, head_dim)
-    assert cache.num_blocks == engine.allocator.num_usable + 1
+    assert cache.num_blocks == engine.kv_manager.num_usable_blocks + 1

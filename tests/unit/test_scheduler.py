@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from server.engine.block_allocator import BlockAllocator
+from server.engine.kv_manager import KVManager
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.types import SamplingParams
@@ -26,7 +27,7 @@ def run_step(sched: Scheduler, token: int = 7):
 
 def test_long_prompt_is_chunked_and_running_streams_keep_decoding():
     alloc = BlockAllocator(num_blocks=64, block_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512), alloc)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=512), KVManager(alloc))
     sched.add(make_request("short", 5, max_tokens=50))
     run_step(sched)  # prefill of the short request
     sched.add(make_request("long", 100))
@@ -41,7 +42,7 @@ def test_long_prompt_is_chunked_and_running_streams_keep_decoding():
 
 def test_abort_frees_blocks_at_once():
     alloc = BlockAllocator(num_blocks=16, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     sched.add(make_request("a", 10))
     run_step(sched)
     assert alloc.num_used == 3
@@ -51,7 +52,7 @@ def test_abort_frees_blocks_at_once():
 
 def test_preemption_instead_of_failure_when_blocks_run_out():
     alloc = BlockAllocator(num_blocks=6, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     sched.add(make_request("a", 8, max_tokens=12))
     sched.add(make_request("b", 8, max_tokens=12))
     preempted = []
@@ -69,7 +70,7 @@ def test_preemption_instead_of_failure_when_blocks_run_out():
 
 def test_prefix_blocks_are_shared_and_hashes_chain():
     alloc = BlockAllocator(num_blocks=32, block_size=4)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     prompt = list(range(10))
     sched.add(make_request("a", 0, tokens=prompt, max_tokens=1))
     run_step(sched)  # finishes after one token; its two full blocks stay cached
@@ -86,7 +87,7 @@ def test_prefix_blocks_are_shared_and_hashes_chain():
 
 def test_full_prompt_hit_still_computes_the_last_token():
     alloc = BlockAllocator(num_blocks=32, block_size=4)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     prompt = list(range(8))
     sched.add(make_request("a", 0, tokens=prompt, max_tokens=1))
     run_step(sched)
@@ -110,7 +111,7 @@ def test_eviction_reuses_freed_cached_blocks_lru():
 def test_pipelined_steps_fill_placeholders_and_drop_the_token_after_a_stop():
     """Step N+1 is scheduled before step N's token is known; a stop at N discards N+1's token."""
     alloc = BlockAllocator(num_blocks=16, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     request = make_request("a", 6, max_tokens=10)
     request.stop_token_ids = frozenset({5})
     sched.add(request)
@@ -132,7 +133,7 @@ def test_pipelined_steps_fill_placeholders_and_drop_the_token_after_a_stop():
 
 def test_last_allowed_token_in_flight_is_not_scheduled_again():
     alloc = BlockAllocator(num_blocks=16, block_size=4)
-    sched = Scheduler(SchedulerConfig(4, 64, 512), alloc)
+    sched = Scheduler(SchedulerConfig(4, 64, 512), KVManager(alloc))
     request = make_request("a", 5, max_tokens=1)
     sched.add(request)
     out = sched.schedule()

@@ -1,0 +1,97 @@
+"""From sampled tokens to what callers see: per live request an incremental detokenizer, a stop-string matcher
+(which holds text back until it knows it is no stop string) and the logprobs, assembled into StreamDeltas; the
+deltas of a request then make its RequestOutput."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from server.engine.model_runner import SampledToken
+from server.engine.request import Request
+from server.engine.tokenizer import Tokenizer
+from server.engine.types import RequestOutput, StreamDelta, TokenLogprob, TopLogprob
+
+
+class _NoText:
+    """Detokenizer stand-in for engines without a tokenizer (benchmarks): outputs are token ids only."""
+
+    def add(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class _RequestText:
+    detokenizer: IncrementalDetokenizer | _NoText
+    stop: StopStringMatcher
+    wants_logprobs: bool
+
+
+class OutputAssembler:
+    """`finish(request, reason)` ends a request whose text reached a stop string (the scheduler's finish)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, finish: Callable[[Request, str], None]):
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self.live: dict[str, _RequestText] = {}
+
+    def add(self, request: Request) -> None:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.token_ids) if self.tokenizer else _NoText()
+        stop = StopStringMatcher(request.params.stop, request.params.include_stop_str_in_output)
+        self.live[request.request_id] = _RequestText(detokenizer, stop, request.params.logprobs is not None)
+
+    def drop(self, request_id: str) -> bool:
+        """Forget a request that ends without a last token (aborted, scored); False if it was not live."""
+        return self.live.pop(request_id, None) is not None
+
+    def on_token(self, request: Request, token: SampledToken) -> StreamDelta:
+        """The delta of one new token: the text it completes, none of a possible stop string's start, all that
+        was held back once the request finished."""
+        state = self.live[request.request_id]
+        emit, stopped = state.stop.push(state.detokenizer.add([token.token_id]))
+        if stopped:
+            self.finish(request, "stop")
+        elif request.is_finished:
+            tail, stopped = state.stop.push(state.detokenizer.flush())
+            emit += tail + ("" if stopped else state.stop.flush())
+        if request.is_finished:
+            del self.live[request.request_id]
+        logprobs = [self._logprob(token)] if state.wants_logprobs else None
+        return stream_delta(request, emit, [token.token_id], logprobs)
+
+    def _logprob(self, token: SampledToken) -> TokenLogprob:
+        text = self.tokenizer.token_text if self.tokenizer else str
+        top = [TopLogprob(t, text(t), lp) for t, lp in zip(token.top_ids, token.top_logprobs, strict=True)]
+        return TokenLogprob(token.token_id, text(token.token_id), float(token.logprob or 0.0), top)
+
+
+def stream_delta(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> StreamDelta:
+    return StreamDelta(
+        request_id=request.request_id,
+        text=text,
+        token_ids=token_ids,
+        finish_reason=request.finish_reason,
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=request.num_output_tokens,
+        cached_tokens=request.num_cached_tokens,
+        logprobs=logprobs,
+    )
+
+
+def final_output(request: Request, deltas: list[StreamDelta]) -> RequestOutput:
+    """A finished request's result: the text and logprobs of all its deltas."""
+    wants_logprobs = request.params.logprobs is not None
+    return RequestOutput(
+        request_id=request.request_id,
+        text="".join(d.text for d in deltas),
+        token_ids=request.output_token_ids,
+        finish_reason=request.finish_reason or "abort",
+        prompt_tokens=request.num_prompt_tokens,
+        completion_tokens=request.num_output_tokens,
+        cached_tokens=request.num_cached_tokens,
+        logprobs=[lp for d in deltas for lp in d.logprobs or []] if wants_logprobs else None,
+    )
