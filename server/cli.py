@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--no-warmup", action="store_true",
-                       help="serve at once; the first requests then wait for the decode step to compile")
+                       help="do not compile the decode step beside serving at start-up; the first requests then "
+                            "wait for it to compile")
     serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (CORS is off by default)")
 
     gen = sub.add_parser("generate", help="generate text once and print it")
@@ -159,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def build_engine() -> AsyncEngine:
         engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
         if config.server.warmup:
-            engine.warm_up()  # on the engine thread, which serves
+            engine.compile_in_background()
         freeze_startup_objects()
         return engine
 

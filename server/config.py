@@ -56,7 +56,8 @@ class ServerConfig:
     reasoning_field: str = "reasoning_content"  # or "reasoning"
     keepalive_interval_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGINT/SIGTERM, in-flight streams get this long to finish
-    warmup: bool = True  # compile the decode step before /health turns ready (Engine.warm_up)
+    # compile the decode step beside serving from the start (Engine.compile_in_background); False: on first use
+    warmup: bool = True
     log_level: str = "info"
 
 

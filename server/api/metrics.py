@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from server.engine.types import EngineStats
+from server.engine.types import COMPILE_STATES, EngineStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # matches what generate_latest writes
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -43,6 +43,12 @@ class _EngineStatsCollector(Collector):
         yield CounterMetricFamily(
             "mps_serve_prefix_cache_hit_tokens", "Prompt tokens served from reused KV", stats.prefix_cache_hit_tokens
         )
+        compile_state = GaugeMetricFamily(
+            "mps_serve_compile_state", "1 for the compiled decode step's current state", labels=["state"]
+        )
+        for name in COMPILE_STATES:
+            compile_state.add_metric([name], 1 if stats.compile_state == name else 0)
+        yield compile_state
 
 
 class Metrics:

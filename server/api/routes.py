@@ -229,7 +229,9 @@ async def health(request: Request) -> JSONResponse:
         return APIError(503, "The server is shutting down.", code="server_shutdown").response()
     if not state.is_ready:
         return APIError(503, "The model is still loading.", code="model_loading").response()
-    return JSONResponse({"status": "ok", "model": state.served_model_name})
+    stats = state.read_stats()
+    compile_state = stats.compile_state if stats is not None else "unknown"
+    return JSONResponse({"status": "ok", "model": state.served_model_name, "compile": compile_state})
 
 
 @router.get("/metrics")

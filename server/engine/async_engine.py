@@ -148,6 +148,11 @@ class AsyncEngine:
         used). Returns its seconds."""
         return self.call(self.engine.warm_up)
 
+    def compile_in_background(self) -> None:
+        """Engine.compile_in_background, on the engine thread: serving starts at once, on the eager path, and moves
+        to the compiled steps when they are ready."""
+        self.call(self.engine.compile_in_background)
+
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function()` on the engine thread between steps, block until it is done; its result or error.
         For work that needs the Engine to itself (warm-up, a benchmark's reference run): only while idle."""

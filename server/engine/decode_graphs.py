@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 import torch
 
+from server.engine.kv_manager import NULL_BLOCK
 from server.kernels import flex_decode, sampling
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
-NULL_BLOCK = 0
 
 
 def use_flex_at_batch_1(device: torch.device, dtype: torch.dtype, block_size: int, attention_only: bool) -> bool:
@@ -209,7 +209,8 @@ class DecodeGraphs:
                 self.last_token_ids.copy_(saved_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
+        # thread_local: the engine thread may serve eager steps while a background compile captures
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             static_out = self.compiled(static_packed, self.last_token_ids)
         self.graph_pool = graph.pool()
         self.graphs[key] = (graph, static_packed, static_out)

@@ -19,10 +19,13 @@ from typing import Any
 import torch
 
 from server.config import EngineConfig
-from server.engine.build import build_parts, load_pretrained
+from server.engine.background_compile import BackgroundCompile
+from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.kv_manager import NullBlocks
+from server.engine.model_runner import ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
 from server.engine.request import Request
-from server.engine.scheduler import SchedulerOutput
+from server.engine.scheduler import Scheduler, SchedulerOutput
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     ChatPrompt,
@@ -39,13 +42,14 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model, tokenizer: Tokenizer, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int, model_name: str):
+    def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, model_name: str, parts: EngineParts | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
         self.model_name = model_name
         self.vocab_size = model.args.vocab_size
-        parts = build_parts(model, config, device, dtype, max_model_len)
+        parts = parts or build_parts(model, config, device, dtype, max_model_len)
         self.kv_cache, self.state_cache, self.kv_manager = parts.kv_cache, parts.state_cache, parts.kv_manager
         self.scheduler, self.runner, self.compile_prefill = parts.scheduler, parts.runner, parts.compile_prefill
         self.outputs = OutputAssembler(tokenizer, self.scheduler.finish)
@@ -53,6 +57,9 @@ class Engine:
         self._num_prompt_tokens = 0
         self._in_flight = None  # the launched step whose sampled ids have not been read yet
         self._num_generated_tokens = 0
+        self._warmed_up = False
+        self._background: BackgroundCompile | None = None
+        self._compiled_runner: ModelRunner | None = None  # built beside serving, in use once ready
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -82,6 +89,39 @@ class Engine:
                 if buf is not None and name not in module._non_persistent_buffers_set:
                     tensors[id(buf)] = buf
         return sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @property
+    def compile_state(self) -> str:
+        """One of types.COMPILE_STATES."""
+        if self._background is not None:
+            return self._background.state
+        if self.runner.decode_graphs is None and not self.compile_prefill:
+            return "off"
+        return "ready" if self._warmed_up else "lazy"
+
+    def compile_in_background(self) -> BackgroundCompile | None:
+        """Serve on the eager path now and warm the compiled steps up on a thread of their own; the engine moves
+        to them between two steps once they are ready, with the same tokens. None when nothing is to compile."""
+        if self.compile_state != "lazy":
+            return None
+        compiled = self._compiled_runner = self.runner
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+        scratch = self.state_cache.scratch_slot if self.state_cache is not None else None
+        null_blocks = NullBlocks(self.kv_manager.block_size, self.kv_manager.num_usable_blocks, scratch)
+        parts = EngineParts(self.kv_cache, self.state_cache, null_blocks, Scheduler(self.scheduler.config, null_blocks),
+                            compiled, self.compile_prefill)
+        shadow = Engine(self.model, None, self.config, self.device, self.dtype, self.max_model_len, self.model_name,
+                        parts)
+        self._background = BackgroundCompile(shadow.warm_up, str(self.device))
+        self._background.start()
+        return self._background
+
+    def _move_to_compiled_runner(self) -> None:
+        """Between two steps: the compiled decode step feeds the ids of the step in flight from its own buffer."""
+        compiled, in_flight = self._compiled_runner, self._in_flight
+        if in_flight is not None and in_flight.token_ids is not None and compiled.decode_graphs is not None:
+            compiled.decode_graphs.last_token_ids[: in_flight.token_ids.shape[0]].copy_(in_flight.token_ids)
+        self.runner = compiled
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
@@ -133,6 +173,8 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Schedule and launch step N+1, then finish step N (read its ids, detokenize, stop checks) while
         the device computes N+1. On the CPU the launch itself computes, so nothing overlaps there."""
+        if self._compiled_runner is not None and self.runner is not self._compiled_runner and self._background.state == "ready":
+            self._move_to_compiled_runner()
         out = self.scheduler.schedule()
         deltas: list[StreamDelta] = []
         if self._in_flight is not None and self._needs_known_tokens(out):
@@ -179,6 +221,7 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generated_tokens,
+            compile_state=self.compile_state,
         )
 
     # ---- convenience API ----------------------------------------------------------------------
@@ -224,6 +267,7 @@ class Engine:
         # usable blocks: a bounded share of memory, where capturing every bucket up to 128k context would not be.
         num_shapes = graphs.prepare_shapes(self.kv_manager.num_usable_blocks) if graphs is not None else 0
         seconds = time.perf_counter() - start
+        self._warmed_up = True
         log.info("compiled steps warmed up (%d runs, %d more decode shapes) in %.1f s", len(runs), num_shapes, seconds)
         return seconds
 

@@ -11,6 +11,8 @@ from server.engine.block_allocator import BlockAllocator, chain_hash
 from server.engine.request import Request
 from server.engine.state_slots import StateSlots
 
+NULL_BLOCK = 0  # reserved by the allocator: padded decode rows and warm-up runs read and write it
+
 
 class KVManager:
     def __init__(self, allocator: BlockAllocator, state_slots: StateSlots | None = None):
@@ -89,3 +91,50 @@ class KVManager:
     def publish_state(self, slot: int) -> None:
         """The step saving a snapshot into `slot` was launched: its state may be matched from now on."""
         self.state_slots.publish(slot)
+
+
+class NullBlocks(KVManager):
+    """The KV manager of warm-up runs that must not touch any real sequence: every block a request gets is the
+    null block (block 0, which the allocator never hands out), every hybrid state the scratch slot, and nothing
+    is cached or shared. So compiling can run beside serving, on the same caches."""
+
+    def __init__(self, block_size: int, num_usable_blocks: int, scratch_state_slot: int | None):
+        self._block_size, self._num_usable = block_size, num_usable_blocks
+        self.scratch_state_slot = scratch_state_slot
+        self.state_slots = None
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_usable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self._num_usable
+
+    def match_prefix(self, request: Request) -> int:
+        request.block_ids, request.block_hashes = [], []
+        return 0
+
+    def allocate(self, request: Request, num_tokens: int) -> bool:
+        request.block_ids.extend([NULL_BLOCK] * (-(-num_tokens // self.block_size) - len(request.block_ids)))
+        return True
+
+    def admit(self, request: Request) -> None:
+        request.state_slot = self.scratch_state_slot
+
+    def free(self, request: Request) -> None:
+        request.block_ids, request.block_hashes, request.state_slot = [], [], None
+
+    def register_full_blocks(self, request: Request) -> None:
+        pass
+
+    def plan_state_copies(self, request: Request, start: int) -> tuple[int | None, int | None]:
+        return None, None

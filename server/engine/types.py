@@ -168,6 +168,12 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0  # prompt tokens served from reused KV since start
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    compile_state: str = "off"  # Engine.compile_state, one of COMPILE_STATES
+
+
+# The compiled steps: nothing to compile; compiled on first use; being built beside serving; in use; failed
+# (serving stays on the eager path)
+COMPILE_STATES = ("off", "lazy", "compiling", "ready", "failed")
 
 
 class ChatPrompt(str):

@@ -134,6 +134,7 @@ class FakeEngine:
         self.submit_error: Exception | None = None
         self.num_waiting = 0
         self.stats_calls = 0
+        self.compile_state = "off"
         self.started = self.shut_down = False
         self.submitted: list[tuple[str, str | list[int], SamplingParams]] = []
         self.rendered: list[dict[str, Any]] = []
@@ -184,7 +185,8 @@ class FakeEngine:
         self.stats_calls += 1
         used = 3 * len(self.running)
         return EngineStats(num_waiting=self.num_waiting, num_running=len(self.running), kv_blocks_used=used,
-                           kv_blocks_free=100 - used, prefix_cache_hit_tokens=7 * len(self.submitted))
+                           kv_blocks_free=100 - used, prefix_cache_hit_tokens=7 * len(self.submitted),
+                           compile_state=self.compile_state)
 
     async def start(self) -> None:
         self.started = True

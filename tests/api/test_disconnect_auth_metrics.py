@@ -79,6 +79,22 @@ def test_metrics_count_requests_tokens_and_engine_gauges() -> None:
         assert _metric(metrics, "mps_serve_num_requests_waiting") == stats.num_waiting
 
 
+def test_health_and_metrics_report_the_compile_state() -> None:
+    """Requests are served while the compiled decode step is built: /health is 200 and says so, /metrics too."""
+    engine = FakeEngine(Script(pieces=["a"]))
+    engine.compile_state = "compiling"
+    with serve(engine) as running:
+        health = running.get("/health")
+        assert health.status_code == 200 and health.json()["compile"] == "compiling"
+        assert running.client().completions.create(model="m", prompt="x").choices[0].text == "a"
+        metrics = running.metrics()
+        assert _metric(metrics, "mps_serve_compile_state", '{state="compiling"}') == 1
+        assert _metric(metrics, "mps_serve_compile_state", '{state="ready"}') == 0
+        engine.compile_state = "failed"
+        assert running.get("/health").json()["compile"] == "failed"
+        assert _metric(running.metrics(), "mps_serve_compile_state", '{state="failed"}') == 1
+
+
 def test_api_key() -> None:
     with serve(FakeEngine(), api_key="s3cret") as running:
         body = {"messages": [{"role": "user", "content": "hi"}]}

@@ -1,0 +1,76 @@
+"""Serving starts at once on the eager path while the compiled steps are built beside it; requests move to them
+once ready, with the same tokens; a compile that fails leaves the engine eager with one warning."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from dataclasses import replace
+
+import pytest
+import torch._inductor.compile_fx
+
+from server.engine.engine import Engine
+from server.engine.types import SamplingParams
+from tests.models.test_parity import ENGINE_KW, random_ids
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                reason="inductor needs a C compiler on the CPU")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def eager_tokens(path, prompts):
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    assert eager.compile_state == "off" and eager.compile_in_background() is None
+    return [o.token_ids for o in eager.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch, tiny_checkpoint, monkeypatch):
+    path, _ = tiny_checkpoint(arch)
+    prompts = [random_ids(n, n + 1) for n in (5, 13)]
+    expected = eager_tokens(path, prompts)
+    gate = threading.Event()
+    warm_up = Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self: gate.wait(120) and warm_up(self))  # held until the gate
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    assert engine.compile_state == "lazy"
+    background = engine.compile_in_background()
+    assert engine.compile_state == "compiling" and engine.stats().compile_state == "compiling"
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected  # served while compiling
+    assert engine.runner.decode_graphs is None
+    # A request in flight while the compiled steps become ready: the first compiled decode step feeds from it.
+    requests = [engine.make_request(p, replace(PARAMS)) for p in prompts]
+    for request in requests:
+        engine.add_request(request)
+    engine.step()
+    engine.step()
+    gate.set()
+    assert background.join(300) and engine.compile_state == "ready", background.error
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.shapes_run
+    assert [r.output_token_ids for r in requests] == expected
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert engine.kv_manager.num_used_blocks == 0 and engine.stats().compile_state == "ready"
+
+
+def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 2) for n in (4, 9)]
+    expected = eager_tokens(path, prompts)
+
+    def broken(*args, **kwargs):  # inductor failing to build a kernel for this device
+        raise RuntimeError("no kernel for this op on this device")
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken)
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    with caplog.at_level(logging.WARNING):
+        assert engine.compile_in_background().join(120)
+    assert engine.compile_state == "failed"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no kernel for this op on this device" in warnings[0].getMessage()
+    assert "eager path" in warnings[0].getMessage()
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert engine.runner.decode_graphs is None and engine.kv_manager.num_used_blocks == 0
