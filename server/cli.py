@@ -1,4 +1,4 @@
-"""The `mps-serve` command: serve, generate, info (and bench, where implemented)."""
+"""The `mps-serve` command: serve, generate, bench, info."""
 
 from __future__ import annotations
 
@@ -169,8 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def freeze_startup_objects() -> None:
     """Move what start-up left alive (model, compiled graphs, dynamo's caches) out of the cyclic GC's reach.
-    Else the first full collection while serving walks all of it with the GIL held: on the H200, 1.4-2.4 s in
-    which no stream advanced; with this, none in the same run (docs/PERF.md, session 7)."""
+    Else the first full collection while serving walks all of it with the GIL held, and no stream advances
+    until it is done."""
     gc.collect()
     gc.freeze()
     log.info("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
@@ -184,10 +184,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Compiled decode graphs persist in the user cache (not /tmp), so a restart skips most of the compile.
-    # A new directory whenever old artifacts must not be read: "-2", a hybrid prefill graph a warm restart could
-    # misuse (gated_delta.chunk_gated_delta_rule); "-3", prefill graphs with cuDNN attention baked in (the caches'
-    # keys miss the SDPA backend flags that paged_attention.prefill_sdpa_backends sets).
+    # Compiled graphs persist in the user cache (not /tmp), so a restart skips most of the compile. The suffix
+    # moves on whenever graphs cached by an older mps-serve could be wrong here: inductor's cache keys miss some
+    # inputs of a graph, such as the SDPA backend flags that paged_attention.prefill_sdpa_backends sets.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench}

@@ -27,7 +27,7 @@ class EngineConfig:
     # does (every kernel dispatched from the host), for measurement
     cuda_graphs: bool | None = None
     # prefill and mixed steps through torch.compile(dynamic=True) too. None: on with the compiled decode step
-    # on CUDA for bf16/fp16 attention-only models, where it is measured faster (docs/PERF.md); elsewhere eager
+    # on CUDA for bf16/fp16 attention-only models, where compiling makes prefill faster; elsewhere eager
     compile_prefill: bool | None = None
     revision: str | None = None
 

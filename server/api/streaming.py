@@ -1,6 +1,6 @@
 """Engine deltas -> OpenAI chat and text-completion objects, streamed as SSE or collected into one response.
 
-Stream rules (reference/openai-wire.md): one id and `created` on every chunk; first a role delta
+Stream rules, as OpenAI streams and its clients expect: one id and `created` on every chunk; first a role delta
 `{"role":"assistant","content":""}`; the last chunk of each choice has an empty delta and the finish_reason;
 with include_usage every chunk has `"usage":null` and one final chunk has `"choices":[]` and the usage;
 `: keepalive` comments while nothing arrives; `data: [DONE]`. An error mid-stream is one `data: {"error":...}`

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.api.conftest import serve, wait_until
 from tests.api.fake_engine import FakeEngine, Script
+from tests.api.harness import serve, wait_until
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:

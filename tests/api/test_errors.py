@@ -8,9 +8,11 @@ import httpx
 import openai
 import pytest
 
+from server.api.app import create_app
+from server.config import ServerConfig
 from server.engine.types import QueueFullError
-from tests.api.conftest import RunningServer, serve, sse_events
 from tests.api.fake_engine import FakeEngine, Script
+from tests.api.harness import RunningServer, run_app, serve, sse_events
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -127,10 +129,6 @@ def test_error_mid_stream_is_one_error_event(srv: RunningServer) -> None:
 
 
 def test_health_is_503_and_requests_wait_while_loading() -> None:
-    from server.api.app import create_app
-    from server.config import ServerConfig
-    from tests.api.conftest import run_app
-
     with run_app(create_app(None, ServerConfig(), model_name="some/model")) as running:
         assert _error(running.get("/health"), 503)["code"] == "model_loading"
         r = running.post("/v1/chat/completions", {"messages": MSG})

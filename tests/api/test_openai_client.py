@@ -6,9 +6,9 @@ import json
 import random
 
 from server.engine.types import SamplingParams
-from tests.api.conftest import RunningServer
 from tests.api.fake_engine import Script
-from tests.api.test_output_parsers import TOOLS, _random_args, hermes, pythonic, qwen3_coder
+from tests.api.harness import RunningServer
+from tests.api.tool_markup import TOOLS, hermes, pythonic, qwen3_coder, random_args
 
 
 def _pieces(rng: random.Random, n: int = 8) -> list[str]:
@@ -117,7 +117,7 @@ def test_messages_reach_the_template(srv: RunningServer) -> None:
 
 def test_tool_calls_streamed_and_not(srv: RunningServer) -> None:
     rng = random.Random()
-    args = _random_args(rng)
+    args = random_args(rng)
     args["city"] = args["city"].replace("\n", " ") or "x"
     for markup in (hermes("get_weather", args), qwen3_coder("get_weather", args), pythonic([("get_weather", args)])):
         srv.engine.script = Script(pieces=_split_randomly("Checking.\n" + markup, rng))

@@ -8,53 +8,15 @@ from __future__ import annotations
 
 import json
 import random
-import string
-from typing import Any
 
 import pytest
 
 from server.api.chat_output import ChatOutputParser, MessageBuilder, delta_dicts
 from server.api.reasoning import ReasoningParser
 from server.api.tool_parsers import ToolCallArgs, ToolCallParser, ToolCallStart
+from tests.api.tool_markup import TOOLS, hermes, pythonic, qwen3_coder, random_args, random_chars
 
 MARKUP = ("<tool_call", "</tool_call", "<function", "</function", "<parameter", "<|tool_call", "<think", "</think")
-
-
-def _random_text(rng: random.Random, n: int, alphabet: str = string.ascii_letters + " ,.éß😀\"'{}[]\\") -> str:
-    return "".join(rng.choice(alphabet) for _ in range(n))
-
-
-def _random_args(rng: random.Random) -> dict[str, Any]:
-    return {
-        "city": _random_text(rng, rng.randint(1, 12)),
-        "days": rng.randint(-5, 500),
-        "ratio": round(rng.uniform(-10, 10), 3),
-        "metric": rng.random() < 0.5,
-        "tags": [_random_text(rng, 3) for _ in range(rng.randint(0, 3))],
-        "nested": {"a": rng.randint(0, 9), "b": None, "c": {"d": _random_text(rng, 4)}},
-    }
-
-
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
-    "metric": {"type": "boolean"}, "tags": {"type": "array"}, "nested": {"type": "object"}}}}}]
-
-
-def hermes(name: str, args: dict) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n</tool_call>"
-
-
-def qwen3_coder(name: str, args: dict) -> str:
-    params = "".join(
-        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
-        for k, v in args.items()
-    )
-    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
-
-
-def pythonic(calls: list[tuple[str, dict]]) -> str:
-    body = ", ".join(f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})" for name, args in calls)
-    return f"<|tool_call_start|>[{body}]<|tool_call_end|>"
 
 
 def run_tool_parser(pieces: list[str], tools=TOOLS) -> tuple[str, list[tuple[str, dict]], list]:
@@ -84,7 +46,7 @@ def splits(text: str, rng: random.Random) -> list[list[str]]:
 @pytest.mark.parametrize("fmt", ["hermes", "qwen3_coder", "pythonic"])
 def test_tool_call_at_every_split_point(fmt: str) -> None:
     rng = random.Random()
-    args = _random_args(rng)
+    args = random_args(rng)
     if fmt == "qwen3_coder":
         args["city"] = args["city"].replace("\n", " ") or "x"  # XML values are raw text between newlines
     markup = {"hermes": hermes("get_weather", args), "qwen3_coder": qwen3_coder("get_weather", args),
@@ -98,7 +60,7 @@ def test_tool_call_at_every_split_point(fmt: str) -> None:
 
 def test_several_calls_and_text_after() -> None:
     rng = random.Random()
-    a1, a2 = _random_args(rng), _random_args(rng)
+    a1, a2 = random_args(rng), random_args(rng)
     text = hermes("get_weather", a1) + "\n" + hermes("get_time", a2) + "\n\nDone."
     for pieces in splits(text, rng)[::3]:
         content, calls, _ = run_tool_parser(pieces)
@@ -109,7 +71,7 @@ def test_several_calls_and_text_after() -> None:
 
 
 def test_hermes_arguments_stream_before_the_call_ends() -> None:
-    args = _random_args(random.Random())
+    args = random_args(random.Random())
     text = hermes("get_weather", args)
     parser = ToolCallParser(TOOLS)
     cut = text.index('"nested"')  # mid-arguments
@@ -120,7 +82,7 @@ def test_hermes_arguments_stream_before_the_call_ends() -> None:
 
 
 def test_arguments_first_and_string_arguments_are_parsed_at_the_end() -> None:
-    args = _random_args(random.Random())
+    args = random_args(random.Random())
     odd = '<tool_call>{"arguments": ' + json.dumps(args) + ', "name": "f"}</tool_call>'
     as_string = '<tool_call>{"name": "g", "arguments": ' + json.dumps(json.dumps(args)) + "}</tool_call>"
     for text in (odd, as_string):
@@ -166,8 +128,8 @@ def run_reasoning(pieces: list[str], start_in_reasoning: bool = False) -> tuple[
 
 def test_reasoning_at_every_split_point() -> None:
     rng = random.Random()
-    thought = _random_text(rng, 30) + "\nsecond line <b> not a tag"
-    answer = "The answer" + _random_text(rng, 20)
+    thought = random_chars(rng, 30) + "\nsecond line <b> not a tag"
+    answer = "The answer" + random_chars(rng, 20)
     for start_in_reasoning, text in ((False, f"<think>\n{thought}\n</think>\n\n{answer}"),
                                      (True, f"\n{thought}\n</think>\n\n{answer}")):
         for pieces in splits(text, rng):
@@ -176,7 +138,7 @@ def test_reasoning_at_every_split_point() -> None:
 
 def test_output_without_think_is_untouched_and_truncated_thinking_is_reasoning() -> None:
     rng = random.Random()
-    for text in ("  <thin", "<b>bold</b> " + _random_text(rng, 10), "\n\nplain</think>"):
+    for text in ("  <thin", "<b>bold</b> " + random_chars(rng, 10), "\n\nplain</think>"):
         for pieces in splits(text, rng):
             assert run_reasoning(pieces) == ("", text)
     assert run_reasoning(["<th", "ink>still thinking"]) == ("still thinking", "")
@@ -184,7 +146,7 @@ def test_output_without_think_is_untouched_and_truncated_thinking_is_reasoning()
 
 def test_reasoning_then_tool_call_through_chat_parser() -> None:
     rng = random.Random()
-    args = _random_args(rng)
+    args = random_args(rng)
     text = "<think>I should call a tool: <tool_call> is how.</think>\n\n" + hermes("get_weather", args)
     for pieces in splits(text, rng)[::2]:
         parser = ChatOutputParser(start_in_reasoning=False, tools=TOOLS)

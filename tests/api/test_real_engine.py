@@ -18,7 +18,7 @@ import pytest
 
 from server.api.app import create_app
 from server.config import EngineConfig, ServerConfig
-from tests.api.conftest import RunningServer, run_app, wait_until
+from tests.api.harness import RunningServer, run_app, wait_until
 
 pytestmark = pytest.mark.slow
 WORDS = "the small model wakes up on a fresh machine and writes its own weights before it answers".split()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.api.conftest import wait_until
+from tests.api.harness import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""

@@ -8,9 +8,9 @@ import threading
 
 import httpx
 
-from tests.api.conftest import RunningServer, chunks_of, serve, sse_events
 from tests.api.fake_engine import FakeEngine, Script
-from tests.api.test_output_parsers import TOOLS, _random_args, hermes
+from tests.api.harness import RunningServer, chunks_of, serve, sse_events
+from tests.api.tool_markup import TOOLS, hermes, random_args
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -63,7 +63,7 @@ def test_completion_stream_framing(srv: RunningServer) -> None:
 
 
 def test_tool_call_stream_framing(srv: RunningServer) -> None:
-    args = _random_args(random.Random())
+    args = random_args(random.Random())
     text = hermes("get_weather", args)
     srv.engine.script = Script(pieces=list(text))  # one character per delta
     r = srv.post("/v1/chat/completions", {**CHAT, "tools": TOOLS, "stream_options": {"include_usage": True}})

@@ -190,7 +190,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _tiny_qwen3_next_config() -> dict:
-    from tests.models.test_hybrid_parity import tiny_hybrid_configs
+    from tests.helpers import tiny_hybrid_configs
 
     cfg_cls, _, kwargs = tiny_hybrid_configs()["qwen3_next"]
     return cfg_cls(**kwargs).to_dict()

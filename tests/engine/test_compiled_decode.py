@@ -8,7 +8,7 @@ import pytest
 
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, random_ids
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="inductor needs a C compiler on the CPU")

@@ -15,7 +15,7 @@ from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 from server.engine.demo import TRAINING_TEXT, ensure_demo_model
 from server.engine.detokenizer import MAX_HELD_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, StopStringMatcher
 from server.engine.tokenizer import Tokenizer
-from tests.engine.test_tokenizer import random_text
+from tests.helpers import random_text
 
 FFFD = "\ufffd"
 

@@ -7,7 +7,7 @@ import torch
 
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, random_ids
 
 
 @pytest.fixture(scope="module")

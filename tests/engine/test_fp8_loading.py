@@ -13,8 +13,7 @@ from safetensors.torch import save_file
 from server.engine.engine import Engine
 from server.kernels.fp8 import FP8_DTYPE
 from server.models.quant import Fp8FusedExperts, LoadableFp8Linear, quantize_model
-from tests.engine.test_loading_and_errors import merged_state
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, merged_state, random_ids
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

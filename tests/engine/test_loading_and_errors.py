@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from server.engine.engine import Engine
 from server.engine.types import ContextLengthExceededError, InvalidRequestError, ModelLoadError, SamplingParams
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, merged_state, random_ids
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +30,6 @@ def engine(llama):
 def copy_checkpoint(src, dst):
     shutil.copytree(src, dst)
     return dst
-
-
-def merged_state(path) -> dict[str, torch.Tensor]:
-    state = {}
-    for file in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    return state
 
 
 def rewrite_single_file(path, state) -> None:

@@ -7,7 +7,7 @@ import contextlib
 from server.engine import model_runner
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, random_ids
 
 
 def test_the_runner_runs_prefill_and_mixed_steps_in_the_prefill_context(tiny_checkpoint, monkeypatch):

@@ -15,31 +15,11 @@ import pytest
 from server.engine.demo import ensure_demo_model
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import InvalidRequestError, ModelLoadError
+from tests.helpers import random_text
 
 transformers = pytest.importorskip("transformers")
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
-SPECIAL_PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "\n"]
-MULTIBYTE = "éèüßñøæœçâ中文字语言模型测试你好世界日本語한국어😀🙂🚀🎉👍🏽👨‍👩‍👧🇫🇷∑≈→€£ıİ"
-
-
-def random_text(rng: random.Random, max_len: int = 60) -> str:
-    """Mixed ASCII, accented, CJK, emoji (incl. ZWJ and flag sequences), rare code points, special tokens."""
-    pieces = []
-    for _ in range(rng.randint(0, max_len)):
-        kind = rng.random()
-        if kind < 0.45:
-            pieces.append(rng.choice("abcdefghijklmnopqrstuvwxyz ABCXYZ  ,.!?'\"-:;()[]{}0123456789\t"))
-        elif kind < 0.75:
-            pieces.append(rng.choice(MULTIBYTE))
-        elif kind < 0.85:
-            pieces.append(rng.choice(["the", " model", " token", "ing", " Hello", "  ", "\n\n", "'s", " 42"]))
-        elif kind < 0.93:
-            pieces.append(rng.choice(SPECIAL_PIECES))
-        else:  # any code point outside the surrogate range
-            code = rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0xFFFC), rng.randint(0x10000, 0x10FFFF)])
-            pieces.append(chr(code))
-    return "".join(pieces)
 
 
 @pytest.fixture(scope="session")

@@ -13,119 +13,18 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from server.engine.engine import Engine
 from server.engine.model_runner import KVCache
 from server.engine.state_cache import StateSlots
 from server.engine.types import SamplingParams
-from tests.conftest import write_byte_tokenizer
+from tests.helpers import hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
 
 ARCHS = ["lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
-ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
-                 kv_cache_memory_bytes=8 << 20)
-
-
-def tiny_hybrid_configs() -> dict:
-    """models.md §4 tiny configs (tie_word_embeddings=True for the LFM2 family, as the real ones)."""
-    import transformers as tf
-
-    c = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=512, tie_word_embeddings=False)
-    hyb = dict(num_hidden_layers=4, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-               linear_key_head_dim=16, linear_value_head_dim=24, linear_conv_kernel_dim=4)  # dk != dv: layout bugs show
-    moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
-    mrope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
-                 mrope_interleaved=True, mrope_section=[2, 1, 1])
-    lt = ["conv", "full_attention", "conv", "full_attention"]
-    lfm = dict(c, tie_word_embeddings=True, num_hidden_layers=4, conv_L_cache=3, layer_types=lt,
-               rope_parameters=dict(rope_type="default", rope_theta=1e6))
-    return {
-        "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(lfm, intermediate_size=128, block_auto_adjust_ff_dim=True,
-                                                         block_multiple_of=32)),
-        "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, dict(lfm, **moe, intermediate_size=128,
-                     num_dense_layers=1, use_expert_bias=True, norm_topk_prob=True)),
-        "qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(c, **hyb, intermediate_size=128,
-                         rope_parameters=mrope)),
-        "qwen3_5_moe_text": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(c, **hyb, **moe,
-                             shared_expert_intermediate_size=64, rope_parameters=mrope)),
-        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(c, **hyb, **moe, intermediate_size=128,
-                       shared_expert_intermediate_size=64, norm_topk_prob=True,
-                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))),
-    }
-
-
-def randomize_hybrid(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter and expert_bias random (none at its default). Weights stay at a realistic scale: the
-    chunked and recurrent delta rule round differently, and 0.15-std weights amplify fp32 rounding so much
-    that transformers' own chunked-cache and full forwards differ by 2e-4."""
-    gen = torch.Generator().manual_seed(seed)
-    zero_centered = type(model).__name__.startswith("Qwen3")
-
-    def randn(shape, std):
-        return std * torch.randn(shape, generator=gen)
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.copy_(torch.empty(param.shape).uniform_(1, 16, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                param.copy_(randn(param.shape, 0.5))
-            elif "norm" in name:  # zero-centred norms store offsets; the GDN output norm is plain
-                plain = not zero_centered or name.endswith("linear_attn.norm.weight")
-                param.copy_((1.0 if plain else 0.0) + randn(param.shape, 0.1))
-            elif "conv" in name:
-                param.copy_(randn(param.shape, 0.3))
-            elif "embed" in name:
-                param.copy_(randn(param.shape, 0.3))
-            else:
-                param.copy_(randn(param.shape, 0.05))
-        for name, buf in model.named_buffers():
-            if "expert_bias" in name:
-                buf.copy_(randn(buf.shape, 0.5))
-
-
-@pytest.fixture(scope="module")
-def hybrid_checkpoint(tmp_path_factory):
-    """Factory: arch -> (checkpoint dir written by save_pretrained, per-expert and sharded; HF model)."""
-    cache: dict = {}
-
-    def make(arch: str):
-        if arch not in cache:
-            cfg_cls, model_cls, kwargs = tiny_hybrid_configs()[arch]
-            cfg = cfg_cls(**kwargs)
-            cfg._attn_implementation = "eager"
-            torch.manual_seed(0)
-            model = model_cls(cfg).eval()
-            randomize_hybrid(model, seed=len(arch))
-            path = tmp_path_factory.mktemp(arch)
-            model.save_pretrained(path, max_shard_size="200KB")
-            write_byte_tokenizer(path)
-            cache[arch] = (path, model)
-        return cache[arch]
-
-    return make
-
-
-def make_engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(str(path), **{**ENGINE_KW, **kw})
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf_model(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
-    config = copy.deepcopy(hf_model.generation_config)
-    config.eos_token_id, config.pad_token_id = 10**6, 0  # an id outside the vocab: never produced
-    config.max_new_tokens, config.do_sample = num_new, False
-    x = torch.tensor([ids])  # an explicit mask: otherwise prompt tokens equal to pad_token_id are masked out
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), generation_config=config)
-    return out[0, len(ids):].tolist()
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

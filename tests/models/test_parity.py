@@ -2,36 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from server.engine.engine import Engine
 from server.engine.types import SamplingParams
+from tests.helpers import hf_greedy, make_engine, random_ids
 
 ARCHS = ["llama", "qwen3", "qwen3_moe"]
-# Small chunks and blocks so prompts span several prefill chunks and KV blocks.
-ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
-                 kv_cache_memory_bytes=8 << 20)
-
-
-def make_engine(path, **kw) -> Engine:
-    return Engine.from_pretrained(str(path), **{**ENGINE_KW, **kw})
-
-
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
-    # No EOS for transformers either (min_new_tokens would mask EOS logits and change the argmax).
-    config = copy.deepcopy(hf_model.generation_config)
-    config.eos_token_id, config.pad_token_id = 10**6, 0  # an id outside the vocab: never produced
-    config.max_new_tokens, config.do_sample = num_new, False
-    input_ids = torch.tensor([ids])  # an explicit mask: pad_token_id 0 must not mask prompt tokens equal to 0
-    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config)
-    return out[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
