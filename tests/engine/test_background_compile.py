@@ -13,7 +13,7 @@ import torch._inductor.compile_fx
 
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
-from tests.models.test_parity import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, random_ids
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="inductor needs a C compiler on the CPU")
@@ -26,9 +26,12 @@ def eager_tokens(path, prompts):
     return [o.token_ids for o in eager.generate(prompts, PARAMS)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
-def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch, tiny_checkpoint, monkeypatch):
-    path, _ = tiny_checkpoint(arch)
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5_moe_text"])
+def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch, tiny_checkpoint, hybrid_checkpoint,
+                                                                          monkeypatch):
+    """The hybrid's warm-up runs read and write only the scratch state slot, so the sequences served meanwhile
+    keep theirs."""
+    path, _ = (hybrid_checkpoint if arch.startswith("qwen3_5") else tiny_checkpoint)(arch)
     prompts = [random_ids(n, n + 1) for n in (5, 13)]
     expected = eager_tokens(path, prompts)
     gate = threading.Event()
