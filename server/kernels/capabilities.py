@@ -144,11 +144,15 @@ def _grouped_operands(device: torch.device, dtype: torch.dtype):
     offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32, device=device)  # group 1 is empty
     mat_a = _rand(32, 64, device=device, seed=4).to(dtype)  # [sum M, K]
     weight = _rand(4, 48, 64, device=device, seed=5).to(dtype)  # [G, N, K]
-    starts = [0, 8, 8, 24]
-    ref = torch.cat(
-        [mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))]
-    )
-    return mat_a, weight, offs, ref
+    return mat_a, weight, offs, _grouped_product(mat_a, weight, offs)
+
+
+def _grouped_product(mat_a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """In float32: the rows of group g (between the group ends `offs`) times weight[g].T."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    pieces = [mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    return torch.cat(pieces)
 
 
 def _check_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
@@ -175,10 +179,7 @@ def _check_scaled_grouped_mm(device: torch.device) -> str:
     a_fp8, w_fp8 = mat_a.to(_FP8), weight.to(_FP8)
     scale_a = torch.rand(mat_a.shape[0], device=device) + 0.5  # [sum M]
     scale_b = torch.rand(weight.shape[0], weight.shape[1], device=device) + 0.5  # [G, N]
-    a_deq = a_fp8.float() * scale_a[:, None]
-    w_deq = w_fp8.float() * scale_b[:, :, None]
-    starts = [0, 8, 8, 24]
-    ref = torch.cat([a_deq[s:e] @ w_deq[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
+    ref = _grouped_product(a_fp8.float() * scale_a[:, None], w_fp8.float() * scale_b[:, :, None], offs)
     reasons = []
     for name, private in _spellings("scaled_grouped_mm"):
         out = compat.scaled_grouped_mm_rowwise(

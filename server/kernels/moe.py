@@ -133,11 +133,17 @@ def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
 
 def _experts_gather_bmm(x, weights, expert_ids, gate_up, down):
     """Few slots: copy the chosen experts' weights (T*k <= E copies) and batch the matvecs."""
-    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
+    return slot_matvecs(x, weights, gate_up.index_select(0, flat_ids), down.index_select(0, flat_ids))
+
+
+def slot_matvecs(x, weights, gate_up_slots, down_slots):
+    """Each token-expert slot's SwiGLU FFN as batched matvecs, with the experts' weights already gathered per
+    slot: gate_up_slots [T*k, 2I, H], down_slots [T*k, H, I] -> routing-weighted sum [T, H]."""
+    num_tokens, top_k = weights.shape
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1], 1)  # [T*k, H, 1]
-    hidden = torch.bmm(gate_up.index_select(0, flat_ids), x_slots).squeeze(-1)  # [T*k, 2I]
-    y_slots = torch.bmm(down.index_select(0, flat_ids), swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    hidden = torch.bmm(gate_up_slots, x_slots).squeeze(-1)  # [T*k, 2I]
+    y_slots = torch.bmm(down_slots, swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
     y_slots = y_slots.view(num_tokens, top_k, -1)
     return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1).to(x.dtype)
 
