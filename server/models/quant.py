@@ -27,13 +27,10 @@ class LoadableFp8Linear(Fp8Linear):
     def like(cls, linear: nn.Linear, dtype: torch.dtype) -> LoadableFp8Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
 
-    @torch.no_grad()
     def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
-        rows = index if isinstance(index, slice) else slice(0, self.out_features)
-        if leaf == "bias":
-            self.bias[rows].copy_(tensor)
-        else:
-            self.load_rows(rows, tensor)
+        """Quantize a checkpoint weight (or the row block `index` of a fused one) into place; `leaf` is "weight",
+        the only tensor this layer declares to the loader."""
+        self.load_rows(index if isinstance(index, slice) else slice(0, self.out_features), tensor)
 
 
 class Fp8MergedLinear(LoadableFp8Linear):
