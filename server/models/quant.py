@@ -85,7 +85,7 @@ class Fp8FusedExperts(nn.Module):
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Every projection FP8 applies to: not routers, not an LM head tied to the embedding."""
-    tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model, "lm_head") else False
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     found = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
