@@ -25,7 +25,7 @@ from server.kernels import compat, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.fp8 import fp8_linear, quantize_activation, quantize_fp8_rowwise
 
-ROTATE_BYTES = 256 * 2**20  # > 4x the H200's 60 MB L2
+ROTATE_BYTES = 256 * 2**20  # several times a GPU's L2: every call reads its weights from memory
 GEMV_SHAPES = [(2048, 2048), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 DEVICE = torch.device("cuda")
 
@@ -64,7 +64,7 @@ def time_graph(fn: Callable[[int], object], calls: int, reps: int = 10) -> float
             for i in range(calls):
                 fn(i)
     except Exception as exc:  # a host sync or an uncapturable op: report it, keep benchmarking
-        torch.cuda.synchronize()
+        compat.synchronize(DEVICE)
         return f"not capturable ({type(exc).__name__})"
     graph.replay()
     times = []
@@ -470,7 +470,7 @@ def sync_check(layers, layers_fp8) -> list[str]:
         "build_sampling_batch (host->device, pinned)": lambda: sampling.build_sampling_batch(rows, VOCAB, DEVICE),
     }
     results = []
-    torch.cuda.synchronize()
+    compat.synchronize(DEVICE)
     for name, fn in checks.items():
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -480,7 +480,7 @@ def sync_check(layers, layers_fp8) -> list[str]:
             results.append(f"{name}: SYNC ({str(exc).splitlines()[0][:120]})")
         finally:
             torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+        compat.synchronize(DEVICE)
     return results
 
 

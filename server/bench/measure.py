@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from server.bench.random_model import persistent_tensors
+from server.kernels.compat import synchronize
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,6 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
 
 def total_weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:

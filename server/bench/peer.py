@@ -1,10 +1,9 @@
 """The transformers peer: the same weights in Hugging Face transformers, run in its best mode.
 
-Best mode (reference/h200-measurements.md §4): on CUDA a static cache, which makes generate() torch.compile the
-decode step (inductor, reduce-overhead: CUDA graphs); for MoE models the grouped_mm experts are kept during
-decode (generate() would switch them to batched_mm; compiled, grouped_mm measured ~11% faster on the H200).
-Elsewhere eager with the default dynamic cache (eager static-cache decode measured slower). If compiling
-fails, the peer falls back to eager and says so.
+Best mode: on CUDA a static cache, which makes generate() torch.compile the decode step (inductor,
+reduce-overhead: CUDA graphs); for MoE models the grouped_mm experts can be kept during decode (generate()
+would switch them to batched_mm, which measures slower compiled). Elsewhere eager with the default dynamic
+cache (eager static-cache decode measures slower). The bench falls back to eager where compiling fails.
 """
 
 from __future__ import annotations
@@ -85,12 +84,9 @@ class TransformersPeer:
     def set_mode(self, mode: PeerMode) -> None:
         self.mode = mode
         if mode.keep_grouped_experts:
-            self.model._optimize_model_for_decode = contextlib.nullcontext  # per instance, as the reference did
+            self.model._optimize_model_for_decode = contextlib.nullcontext  # per instance: other models keep it
         else:
             self.model.__dict__.pop("_optimize_model_for_decode", None)
-
-    def fall_back_to_eager(self) -> None:
-        self.mode = PeerMode(static_compile=False, keep_grouped_experts=self.mode.keep_grouped_experts)
 
     def generation_config(self, num_new: int):
         config = copy.deepcopy(self.model.generation_config)
@@ -115,8 +111,8 @@ class TransformersPeer:
         return out[:, input_ids.shape[1]:].tolist()
 
     @property
-    def compiled(self) -> bool | None:
-        """Whether transformers holds a compiled forward (None: this version keeps it elsewhere)."""
+    def compiled(self) -> bool:
+        """Whether transformers holds a compiled forward (always False in the eager modes)."""
         return (getattr(self.model, "_compiled_call", None) is not None) if self.mode.static_compile else False
 
 

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.weights import WeightLoader
-from server.models.quant import plan_kept_layers, quantize_for_loading
-from server.models.registry import get_model_module
+from server.engine.weights import WeightLoader, empty_model
 
 INIT_STD = 0.02
 
@@ -35,31 +33,6 @@ def init_value(
     return value.to(dtype)
 
 
-def empty_model(
-    hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype, quantization: str | None = None
-) -> nn.Module:
-    """Our model of this config.json, built on the meta device (its linears and experts swapped for their FP8
-    forms when `quantization="fp8"`) and materialized (uninitialized) on `device`, with computed buffers (RoPE)
-    reset, as server.engine.weights.load_model does before streaming weights."""
-    module = get_model_module(hf_config["model_type"])
-    args = module.ModelArgs.from_hf_config(hf_config)
-    with torch.device("meta"):
-        model = module.Model(args).to(dtype)
-    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
-        quantize_for_loading(model, dtype, plan_kept_layers(model, torch.device(device), dtype))
-    elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; use fp8")
-    if str(device) == "meta":
-        return model.eval()
-    model = model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty unties a shared LM head
-    for sub in model.modules():
-        if hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
-    return model.eval()
-
-
 def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name, each tensor once (a tied LM head appears under the embedding)."""
     seen: set[int] = set()
@@ -75,21 +48,16 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def build_random_model(
     hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0, quantization: str | None = None
 ) -> nn.Module:
-    """Our model with random weights, initialized on `device` one tensor at a time. With `quantization="fp8"`
-    each tensor is generated in `dtype` and quantized as it is loaded (the serving loader's path), so the peak
-    memory is the FP8 model plus one tensor: an 80B model fits one GPU in FP8 though not in bf16."""
-    if quantization is None:
-        model = empty_model(hf_config, device, dtype)
-        for name, tensor in persistent_tensors(model).items():
-            if tensor.is_floating_point():
-                tensor.copy_(init_value(name, tensor.shape, tensor.dtype, tensor.device, seed))
-        return model
+    """Our model with random weights, filled on `device` one tensor at a time through the serving loader. Each
+    tensor is generated under its unquantized name and shape, so with `quantization="fp8"` it is quantized as it
+    is loaded and the peak memory is the FP8 model plus one tensor: an 80B model fits one GPU in FP8 though not
+    in bf16."""
     model = empty_model(hf_config, device, dtype, quantization)
     loader = WeightLoader(model)
     for name, meta in persistent_tensors(empty_model(hf_config, "meta", dtype)).items():
         if meta.is_floating_point():
             if loader.resolve(name) is None:
-                raise ValueError(f"{name} has no place in the {quantization} model")
+                raise ValueError(f"{name} has no place in the {quantization or dtype} model")
             loader.load(name, init_value(name, meta.shape, meta.dtype, device, seed))
     return model
 

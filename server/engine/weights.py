@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
-from server.models.quant import plan_kept_layers, quantize_for_loading
+from server.models.quant import plan_kept_layers, swap_to_fp8
 from server.models.registry import get_model_module
 
 log = logging.getLogger(__name__)
@@ -223,36 +223,45 @@ def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
+def empty_model(
+    hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype, quantization: str | None = None
+) -> nn.Module:
+    """Our model of this config.json, built on the meta device (its linears and experts swapped for their FP8
+    forms when `quantization="fp8"`) and materialized uninitialized on `device`, computed buffers (RoPE)
+    reset: ready for its weights. Raises ValueError for an unknown model_type or quantization."""
+    module = get_model_module(hf_config["model_type"])
+    args = module.ModelArgs.from_hf_config(hf_config)
+    with torch.device("meta"):
+        model = module.Model(args).to(dtype)
+    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
+        keep = plan_kept_layers(model, torch.device(device), dtype)
+        if keep:
+            log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
+        swap_to_fp8(model, dtype, keep)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}; use fp8")
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
+    for sub in model.modules():
+        if hasattr(sub, "reset_buffers"):
+            sub.reset_buffers()
+    return model.eval()
+
+
 def load_model(
     model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the architecture named by config.json on the meta device and stream the weights in
-    (quantized to FP8 tensor by tensor when `quantization="fp8"`)."""
+    """Build the architecture named by config.json and stream the weights in (quantized to FP8 tensor by
+    tensor when `quantization="fp8"`, or when the checkpoint holds FP8 weights)."""
     config = read_config(model_dir)
     checkpoint_fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
     if checkpoint_fp8 and quantization is None:
         log.info("%s holds FP8 weights: loading them as FP8 (row-wise scales)", model_dir)
         quantization = "fp8"
-    if quantization not in (None, "fp8"):
-        raise ModelLoadError(f"unknown quantization {quantization!r}; use fp8 or none")
     try:
-        module = get_model_module(config["model_type"])
+        model = empty_model(config, device, dtype, quantization)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
-    args = module.ModelArgs.from_hf_config(config)
-    with torch.device("meta"):
-        model = module.Model(args).to(dtype)
-    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
-        keep = plan_kept_layers(model, device, dtype)
-        if keep:
-            log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
-        quantize_for_loading(model, dtype, keep)
-    model = model.to_empty(device=device)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
-    for sub in model.modules():
-        if hasattr(sub, "reset_buffers"):
-            sub.reset_buffers()
     loader = WeightLoader(model)
     with torch.no_grad():
         tensors = iter_checkpoint(safetensors_files(model_dir))
@@ -267,4 +276,4 @@ def load_model(
             for piece_name, piece in split(mapped, tensor) if split else [(mapped, tensor)]:
                 loader.load(piece_name, piece)
     loader.check_complete()
-    return model.eval(), config
+    return model, config

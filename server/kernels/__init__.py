@@ -2,8 +2,8 @@
 
 Modules (import them directly; each fast op has a same-signature twin named `*_reference` beside it):
 - capabilities: `capabilities(device)` probes once per process which fast paths work here, with reasons.
-- compat: public `F.*` vs private `torch._*` spellings of scaled_mm / grouped_mm / scaled_grouped_mm.
-- linear: `linear(x, w, b)`, the decode GEMV with the bias fused.
+- compat: public `F.*` vs private `torch._*` spellings of scaled_mm / grouped_mm / scaled_grouped_mm;
+  `synchronize(device)`.
 - fp8: `quantize_fp8_rowwise`, `quantize_activation`, `fp8_linear`, `Fp8Linear`, `blockwise_to_rowwise`.
 - fp8_policy: `plan_fp8_layers`, FP8 vs model dtype per layer by a measurement on the device.
 - moe / moe_fp8: `route_softmax`, `route_sigmoid_bias`, `moe_experts`, `moe_experts_fp8`, `quantize_experts`.

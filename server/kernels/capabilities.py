@@ -1,7 +1,7 @@
 """Which fast paths work on a device with this torch build, found by running each op on tiny tensors.
 
-A version number alone cannot say whether e.g. row-wise `scaled_mm` has a kernel for this device (CPU got one in
-2.13, MPS in 2.15), so every entry is probed once per process per device and keeps the reason when it fails.
+A version number alone cannot say whether e.g. row-wise `scaled_mm` has a kernel for this device (CPU has one from
+2.13, MPS from 2.15), so every entry is probed once per process per device and keeps the reason when it fails.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ class Probe:
 class Capabilities:
     device: str
     torch_version: str
-    fp8_tensorwise: Probe  # scaled_mm with one scale per tensor
     fp8_rowwise: Probe  # scaled_mm with one scale per row of each operand (M = 1 and M = 16)
     fp8_rowwise_bias: Probe  # the same with the bias fused
     grouped_mm_bf16: Probe
@@ -77,9 +76,8 @@ def _probe_all(device_name: str) -> Capabilities:
     return Capabilities(
         device=device_name,
         torch_version=torch.__version__,
-        fp8_tensorwise=_run(lambda: _check_scaled_mm(device, rowwise=False, with_bias=False)),
-        fp8_rowwise=_run(lambda: _check_scaled_mm(device, rowwise=True, with_bias=False)),
-        fp8_rowwise_bias=_run(lambda: _check_scaled_mm(device, rowwise=True, with_bias=True)),
+        fp8_rowwise=_run(lambda: _check_scaled_mm(device, with_bias=False)),
+        fp8_rowwise_bias=_run(lambda: _check_scaled_mm(device, with_bias=True)),
         grouped_mm_bf16=_run(lambda: _check_grouped_mm(device, torch.bfloat16)),
         grouped_mm_fp16=_run(lambda: _check_grouped_mm(device, torch.float16)),
         grouped_mm_fp32=_run(lambda: _check_grouped_mm(device, torch.float32)),
@@ -121,7 +119,7 @@ def _spellings(public: str) -> list[tuple[str, bool]]:
     return found
 
 
-def _check_scaled_mm(device: torch.device, rowwise: bool, with_bias: bool) -> str:
+def _check_scaled_mm(device: torch.device, with_bias: bool) -> str:
     if _FP8 is None:
         raise TypeError("torch.float8_e4m3fn is missing from this torch build")
     num_rows, num_cols, inner = (16, 32, 64)
@@ -129,15 +127,11 @@ def _check_scaled_mm(device: torch.device, rowwise: bool, with_bias: bool) -> st
     bias = _rand(num_cols, device=device, seed=2).to(torch.bfloat16) if with_bias else None
     reasons = []
     for name, private in _spellings("scaled_mm"):
-        for m in (1, num_rows) if rowwise else (num_rows,):
+        for m in (1, num_rows):
             x = _rand(m, inner, device=device, seed=3).to(_FP8)
-            if rowwise:
-                scale_a = torch.rand(m, 1, device=device) + 0.5
-                scale_b = torch.rand(1, num_cols, device=device) + 0.5
-                out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16, private)
-            else:
-                scale_a, scale_b = torch.tensor(0.7, device=device), torch.tensor(1.3, device=device)
-                out = compat.scaled_mm_tensorwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16, private)
+            scale_a = torch.rand(m, 1, device=device) + 0.5
+            scale_b = torch.rand(1, num_cols, device=device) + 0.5
+            out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, bias, torch.bfloat16, private)
             ref = (x.float() * scale_a) @ (weight.float().t() * scale_b)
             if bias is not None:
                 ref = ref + bias.float()
@@ -150,11 +144,15 @@ def _grouped_operands(device: torch.device, dtype: torch.dtype):
     offs = torch.tensor([8, 8, 24, 32], dtype=torch.int32, device=device)  # group 1 is empty
     mat_a = _rand(32, 64, device=device, seed=4).to(dtype)  # [sum M, K]
     weight = _rand(4, 48, 64, device=device, seed=5).to(dtype)  # [G, N, K]
-    starts = [0, 8, 8, 24]
-    ref = torch.cat(
-        [mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))]
-    )
-    return mat_a, weight, offs, ref
+    return mat_a, weight, offs, _grouped_product(mat_a, weight, offs)
+
+
+def _grouped_product(mat_a: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """In float32: the rows of group g (between the group ends `offs`) times weight[g].T."""
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    pieces = [mat_a[s:e].float() @ weight[g].float().t() for g, (s, e) in enumerate(zip(starts, ends, strict=True))]
+    return torch.cat(pieces)
 
 
 def _check_grouped_mm(device: torch.device, dtype: torch.dtype) -> str:
@@ -181,10 +179,7 @@ def _check_scaled_grouped_mm(device: torch.device) -> str:
     a_fp8, w_fp8 = mat_a.to(_FP8), weight.to(_FP8)
     scale_a = torch.rand(mat_a.shape[0], device=device) + 0.5  # [sum M]
     scale_b = torch.rand(weight.shape[0], weight.shape[1], device=device) + 0.5  # [G, N]
-    a_deq = a_fp8.float() * scale_a[:, None]
-    w_deq = w_fp8.float() * scale_b[:, :, None]
-    starts = [0, 8, 8, 24]
-    ref = torch.cat([a_deq[s:e] @ w_deq[g].t() for g, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))])
+    ref = _grouped_product(a_fp8.float() * scale_a[:, None], w_fp8.float() * scale_b[:, :, None], offs)
     reasons = []
     for name, private in _spellings("scaled_grouped_mm"):
         out = compat.scaled_grouped_mm_rowwise(

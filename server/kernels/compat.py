@@ -1,10 +1,10 @@
-"""Version-tolerant entry points for the matmuls the fast paths use.
+"""Version- and device-tolerant entry points: the matmuls the fast paths use, and a device synchronize.
 
 torch 2.11+ exposes the public `F.scaled_mm` / `F.grouped_mm` / `F.scaled_grouped_mm`; some builds only have the
 private `torch._scaled_mm` / `torch._grouped_mm` / `torch._scaled_grouped_mm`. Eager calls prefer the public op;
 traced calls prefer the private aten op where it exists, because dynamo in torch 2.11 refuses to trace
-`F.scaled_grouped_mm` ("function marked as skipped", seen on the H200) while aten ops always trace. The probe
-runs both spellings, so neither choice goes untested.
+`F.scaled_grouped_mm` ("function marked as skipped") while aten ops always trace. The probe runs both
+spellings, so neither choice goes untested.
 """
 
 from __future__ import annotations
@@ -44,14 +44,6 @@ def scaled_mm_rowwise(
     return F.scaled_mm(a_fp8, b_fp8, scale_a, rowwise, scale_b, rowwise, bias=bias, output_dtype=out_dtype)
 
 
-def scaled_mm_tensorwise(a_fp8, b_fp8, scale_a, scale_b, bias, out_dtype, private: bool | None = None):
-    """Same as scaled_mm_rowwise with 0-d float32 scales."""
-    if _private("_scaled_mm", private):
-        return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
-    tensorwise = F.ScalingType.TensorWise
-    return F.scaled_mm(a_fp8, b_fp8, scale_a, tensorwise, scale_b, tensorwise, bias=bias, output_dtype=out_dtype)
-
-
 def scaled_grouped_mm_rowwise(
     a_fp8: torch.Tensor,  # [sum M, K] float8_e4m3fn
     b_fp8: torch.Tensor,  # [G, K, N] float8_e4m3fn, a transposed view of [G, N, K]
@@ -71,3 +63,12 @@ def spellings(public: str) -> list[tuple[str, bool]]:
     """The (name, private flag) pairs this torch build has for an op, for the probe to run each."""
     found = [(f"F.{public}", False)] if hasattr(F, public) else []
     return found + ([(f"torch._{public}", True)] if hasattr(torch, f"_{public}") else [])
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Block the host until the device has finished its queued work (nothing to wait for on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

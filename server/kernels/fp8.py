@@ -1,8 +1,8 @@
 """FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`.
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
-once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): the H200 measured
-that quantizing the activation per call, as separate ops, erases FP8's gain. Where the probe finds no row-wise
+once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
+activation per call, as separate ops, costs as much as FP8 saves on the weight read. Where the probe finds no row-wise
 `scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
 """
 
@@ -115,20 +115,11 @@ class Fp8Linear(nn.Module):
         self.weight_scale[rows].copy_(scale)
 
     @torch.no_grad()
-    def load_fp8_rows(self, rows: slice, weight_fp8: torch.Tensor, scale: torch.Tensor) -> None:
-        """Copy an already row-quantized weight (e.g. from blockwise_to_rowwise) into rows `rows`."""
-        self.weight[rows].copy_(weight_fp8.to(self.weight.device))
-        self.weight_scale[rows].copy_(scale.reshape(-1, 1).to(self.weight.device))
-
-    @classmethod
-    @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype | None = None) -> Fp8Linear:
-        dtype = dtype or linear.weight.dtype
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
-        layer.load_rows(slice(0, linear.out_features), linear.weight)
+    def copy_from(self, linear: nn.Linear) -> None:
+        """Quantize a model-dtype linear's weight (and copy its bias) into this layer of the same shape."""
+        self.load_rows(slice(0, self.out_features), linear.weight)
         if linear.bias is not None:
-            layer.bias.copy_(linear.bias.to(dtype))
-        return layer
+            self.bias.copy_(linear.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

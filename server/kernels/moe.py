@@ -12,9 +12,9 @@ fp32 accumulation instead of an index_add_ scatter (deterministic, no atomics). 
 after `down`, as Hugging Face does.
 
 moe_experts picks, in order: inside torch.compile with few slots (T*k*4 <= E) and not on MPS, the gather-reduce
-path (H200: 2x the grouped_mm layer at one token); grouped_mm where the probe says it runs for this dtype (and,
-when tracing, that its shape function accepts it); else gather + bmm (T*k <= E) or every token through every
-expert. All are sync-free; docs/PERF.md has the measurements behind the order.
+path (it reads each chosen expert once, where grouped_mm pays for sorting and grouping a handful of slots);
+grouped_mm where the probe says it runs for this dtype (and, when tracing, that its shape function accepts it);
+else gather + bmm (T*k <= E) or every token through every expert. All are sync-free.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from server.kernels.capabilities import grouped_mm_ok
 def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-    # Unsorted: slot order only changes the fp32 summation order, and the sort of the k winners was a kernel
-    # of its own per layer (H200, Qwen3-30B-A3B shape: 4 us x 48 layers, docs/PERF.md breakdown).
+    # Unsorted: slot order only changes the fp32 summation order, and sorting the k winners costs a kernel of
+    # its own per layer.
     weights, expert_ids = torch.topk(probs, top_k, dim=-1, sorted=False)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -80,8 +80,8 @@ def few_slots(num_slots: int, num_experts: int) -> bool:
 
 
 def use_gather_reduce(device: torch.device, num_slots: int, num_experts: int) -> bool:
-    """Only inside torch.compile, and not on MPS: there 2.15's native grouped_mm is the path the release
-    measured, and this one has not been measured on a Mac."""
+    """Only inside torch.compile, and not on MPS: there the native grouped_mm is the measured path, and this
+    one is not measured on a Mac."""
     return torch.compiler.is_compiling() and device.type != "mps" and few_slots(num_slots, num_experts)
 
 
@@ -118,8 +118,8 @@ def _experts_grouped(x, weights, expert_ids, gate_up, down):
 
 def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
     """For torch.compile only: inductor folds the expert gathers into the reductions, so every chosen expert's
-    weights are read once and never copied (H200, 1 token: 51 us vs 81 us for compiled grouped_mm). Eager would
-    materialize [T*k, 2I, H] products: never call it uncompiled."""
+    weights are read once and never copied. Eager would materialize [T*k, 2I, H] products: never call it
+    uncompiled."""
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
@@ -127,17 +127,23 @@ def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
     y_slots = (down[flat_ids].float() * swiglu(hidden).unsqueeze(1)).sum(-1)  # [T*k, H]
     y_slots = y_slots.view(num_tokens, top_k, -1)
     # A k-term weighted sum as a reduction, not a bmm: inductor fuses it with its neighbours, where a bmm
-    # was a cuBLAS call of its own per layer (H200 breakdown, docs/PERF.md).
+    # is a BLAS call of its own per layer.
     return (weights.float().unsqueeze(-1) * y_slots).sum(1).to(x.dtype)
 
 
 def _experts_gather_bmm(x, weights, expert_ids, gate_up, down):
     """Few slots: copy the chosen experts' weights (T*k <= E copies) and batch the matvecs."""
-    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
+    return slot_matvecs(x, weights, gate_up.index_select(0, flat_ids), down.index_select(0, flat_ids))
+
+
+def slot_matvecs(x, weights, gate_up_slots, down_slots):
+    """Each token-expert slot's SwiGLU FFN as batched matvecs, with the experts' weights already gathered per
+    slot: gate_up_slots [T*k, 2I, H], down_slots [T*k, H, I] -> routing-weighted sum [T, H]."""
+    num_tokens, top_k = weights.shape
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1], 1)  # [T*k, H, 1]
-    hidden = torch.bmm(gate_up.index_select(0, flat_ids), x_slots).squeeze(-1)  # [T*k, 2I]
-    y_slots = torch.bmm(down.index_select(0, flat_ids), swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    hidden = torch.bmm(gate_up_slots, x_slots).squeeze(-1)  # [T*k, 2I]
+    y_slots = torch.bmm(down_slots, swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
     y_slots = y_slots.view(num_tokens, top_k, -1)
     return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1).to(x.dtype)
 

@@ -14,7 +14,7 @@ import torch
 from server.kernels import compat
 from server.kernels.capabilities import fp8_grouped_ok
 from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
-from server.kernels.moe import combine_slots, moe_experts, sort_by_expert, swiglu, use_gather_reduce
+from server.kernels.moe import combine_slots, moe_experts, slot_matvecs, sort_by_expert, swiglu, use_gather_reduce
 
 
 def moe_experts_fp8(
@@ -77,14 +77,10 @@ def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale,
 
 
 def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
-    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     gate_up = dequantize_experts(_gather_fp8(gate_up_q, flat_ids), gate_up_scale.index_select(0, flat_ids), x.dtype)
     down = dequantize_experts(_gather_fp8(down_q, flat_ids), down_scale.index_select(0, flat_ids), x.dtype)
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1], 1)  # [T*k, H, 1]
-    hidden = torch.bmm(gate_up, x_slots).squeeze(-1)  # [T*k, 2I]
-    y_slots = torch.bmm(down, swiglu(hidden).unsqueeze(-1)).squeeze(-1).view(num_tokens, top_k, -1)  # [T, k, H]
-    return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1).to(x.dtype)
+    return slot_matvecs(x, weights, gate_up, down)
 
 
 def moe_experts_fp8_reference(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):

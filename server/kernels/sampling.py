@@ -15,7 +15,7 @@ in log space, argmax_i (l_i - log E_i): the softmax normalizer does not move the
 needed. E_i = -log(u_i), u_i from a counter-based hash of (seed, step, vocab index) in integer tensor ops,
 so a seeded request draws the same noise whatever batch it is in. The uniforms are exact (integer ops, then
 IEEE-exact scaling) and so identical on every device; `log` may differ in the last ulp between devices (CPU vs
-CUDA, seen on the H200), which can change a draw only when two candidates tie to within that ulp.
+CUDA), which can change a draw only when two candidates tie to within that ulp.
 """
 
 from __future__ import annotations
@@ -239,8 +239,8 @@ def apply_filters(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def chunked_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
     """torch.argmax over the last dim (first index of the maximum) in two stages, for compiled code: inductor
-    does not split an argmax, so over a 128k vocabulary one row is one thread block (28 us on the H200, a
-    whole decode step's 0.6%). Here the row is cut into `num_chunks` rows first, reduced in parallel."""
+    does not split an argmax, so over a 128k vocabulary one row is one thread block. Here the row is cut into
+    `num_chunks` rows first, reduced in parallel."""
     num_rows, vocab_size = logits.shape
     chunk_len = -(-vocab_size // num_chunks)
     padded = torch.nn.functional.pad(logits, (0, chunk_len * num_chunks - vocab_size), value=float("-inf"))

@@ -1,4 +1,4 @@
-"""ModelArgs from a Hugging Face config, the per-step attention metadata, and the Model protocol."""
+"""ModelArgs from a Hugging Face config, the per-step attention metadata, RoPE frequencies, layer kinds."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from server.kernels.flex_decode import decode_block_mask
+
+ATTENTION = "full_attention"  # the layer type of attention layers; any other type keeps a per-sequence state
 
 # Names that differ between checkpoint generations / transformers versions -> our field name.
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
@@ -96,22 +97,10 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-class CausalLM(nn.Module):
-    """What every architecture shares: `model.embed_tokens`, an `lm_head` (maybe tied), checkpoint name mapping."""
-
-    def tie_weights(self) -> None:
-        """Share the LM head with the embedding; the loader calls this again after `to_empty`, which gives
-        every module its own tensor."""
-        if self.args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def sanitize(self, name: str) -> str | None:
-        """Map a checkpoint tensor name to this model's name; None skips it."""
-        if "rotary_emb.inv_freq" in name or "pos_emb.inv_freq" in name:
-            return None
-        if self.args.tie_word_embeddings and name == "lm_head.weight":
-            return None
-        return name
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_tokens, vocab]
+def is_moe_layer(args, layer_idx: int) -> bool:
+    """Qwen3-MoE / Qwen3-Next: every `decoder_sparse_step`-th layer is MoE, except the `mlp_only_layers`."""
+    return (
+        args.num_experts > 0
+        and layer_idx not in args.mlp_only_layers
+        and (layer_idx + 1) % args.decoder_sparse_step == 0
+    )

@@ -18,12 +18,11 @@ from torch import nn
 from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
-from server.models.base import AttentionMetadata, CausalLM
-from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rope
+from server.models.base import ATTENTION, AttentionMetadata
+from server.models.layers import Attention, CausalLM, FusedExperts, GatedMLP, MergedLinear, RMSNorm, apply_rope
 
 log = logging.getLogger(__name__)
 
-ATTENTION = "full_attention"
 STATE_LAYER_TYPES = ("conv", "linear_attention")
 
 
@@ -230,84 +229,30 @@ class SigmoidBiasMoE(nn.Module):
         return self.experts(x, weights, expert_ids)
 
 
-class HybridLayer(nn.Module):
-    """Pre-norm block `h = x + mixer(norm1(x)); out = h + ffn(norm2(h))` under the checkpoint's names."""
-
-    def __init__(self, names: tuple[str, str, str, str], mixer: nn.Module, ffn: nn.Module, make_norm):
-        super().__init__()
-        self.names = names  # (norm1, mixer, norm2, ffn)
-        norm1, mixer_name, norm2, ffn_name = names
-        setattr(self, norm1, make_norm())
-        setattr(self, mixer_name, mixer)
-        setattr(self, norm2, make_norm())
-        setattr(self, ffn_name, ffn)
-
-    def forward(self, x, rope, meta, cache):
-        norm1, mixer, norm2, ffn = (getattr(self, n) for n in self.names)
-        h = x + mixer(norm1(x), rope, meta, cache)
-        return h + ffn(norm2(h))
-
-
-class HybridBody(nn.Module):
-    """`model.*`: embed_tokens, layers and the final norm (named `norm`, or `embedding_norm` in LFM2)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], final_norm_name: str, final_norm: nn.Module):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
-        self.layers = nn.ModuleList(layers)
-        self.final_norm_name = final_norm_name
-        setattr(self, final_norm_name, final_norm)
-
-
 class HybridModel(CausalLM):
-    """Decoder with attention and state layers. Subclasses build the layers (`make_layer`) and the final norm.
+    """Decoder with attention and state layers (`args.layer_types`). Subclasses build the layers (`make_layer`)
+    and the norms; `state_shapes()` lists the state layers (meta.state_caches align with them)."""
 
-    `kv_cache_shapes()` lists the attention layers only (kv_caches passed to forward align with them);
-    `state_shapes()` lists the state layers (meta.state_caches align with them).
-    """
-
-    final_norm_name = "norm"
     ignored_prefixes: tuple[str, ...] = ()  # checkpoint parts that are not the text model (vision, MTP)
 
-    def __init__(self, args, layer_types: list[str], head_dim: int, num_kv_heads: int):
-        super().__init__()
-        self.args = args
+    def __init__(self, args):
+        layer_types = args.layer_types
         unknown = sorted({t for t in layer_types if t != ATTENTION and t not in STATE_LAYER_TYPES})
         if unknown or len(layer_types) != args.num_hidden_layers:
             raise ValueError(
                 f"layer_types must name each of the {args.num_hidden_layers} layers as {ATTENTION!r} or one of "
                 f"{STATE_LAYER_TYPES}; got {layer_types}"
             )
-        self.layer_types = list(layer_types)
-        self.head_dim, self.num_kv_heads = head_dim, num_kv_heads
-        layers = [self.make_layer(i, t) for i, t in enumerate(layer_types)]
-        self.model = HybridBody(args.vocab_size, args.hidden_size, layers, self.final_norm_name, self.make_norm())
-        self.rotary_emb = RotaryEmbedding(head_dim, args.rope_parameters)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.tie_weights()
-        # Per layer: index into kv_caches (attention) or meta.state_caches (state layers).
-        self._cache_index = [
-            sum(1 for u in layer_types[:i] if (u == ATTENTION) == (t == ATTENTION)) for i, t in enumerate(layer_types)
-        ]
+        super().__init__(args, layer_types)
         self._skipped_logged: set[str] = set()
-
-    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
-        raise NotImplementedError
-
-    def make_norm(self) -> nn.Module:
-        raise NotImplementedError
 
     def mixer(self, layer_idx: int) -> nn.Module:
         layer = self.model.layers[layer_idx]
         return getattr(layer, layer.names[1])
 
-    def kv_cache_shapes(self) -> list[tuple[int, int]]:
-        """(num_kv_heads, head_dim) of each attention layer's KV cache, in layer order."""
-        return [(self.num_kv_heads, self.head_dim)] * self.layer_types.count(ATTENTION)
-
     def state_shapes(self) -> list[list[tuple[tuple[int, ...], torch.dtype | None]]]:
         """Per state layer: the per-sequence state tensors as (shape, dtype; None = model dtype)."""
-        return [self.mixer(i).state_shapes() for i, t in enumerate(self.layer_types) if t != ATTENTION]
+        return [self.mixer(i).state_shapes() for i, t in enumerate(self.model.layer_types) if t != ATTENTION]
 
     def sanitize(self, name: str) -> str | None:
         """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts)."""
@@ -320,21 +265,6 @@ class HybridModel(CausalLM):
                     log.info("ignoring checkpoint tensors %s* (not part of the text model)", prefix)
                 return None
         return super().sanitize(name)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],  # per attention layer: [num_blocks, block_size, 2, kv_heads, head_dim]
-    ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)
-        state_caches = meta.state_caches
-        for layer, layer_type, index in zip(self.model.layers, self.layer_types, self._cache_index, strict=True):
-            cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
-            x = layer(x, rope, meta, cache)
-        return getattr(self.model, self.model.final_norm_name)(x)  # [num_tokens, hidden]
 
 
 def lfm2_attention(hidden_size: int, num_heads: int, num_kv_heads: int, eps: float) -> Attention:

@@ -1,4 +1,5 @@
-"""Layers shared by every architecture: norms, RoPE, paged attention, SwiGLU, fused linears, MoE.
+"""Layers shared by every architecture: norms, RoPE, paged attention, SwiGLU, fused linears, MoE, and the
+decoder they make up (`DecoderLayer`, `DecoderStack`, `CausalLM`).
 
 Attribute names follow Hugging Face so weight loading is an identity map plus the fusion table that
 `MergedLinear.source_names` and `FusedExperts` declare.
@@ -12,7 +13,7 @@ from torch import nn
 
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
-from server.models.base import AttentionMetadata, rope_inv_freq
+from server.models.base import ATTENTION, AttentionMetadata, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -172,3 +173,107 @@ class SoftmaxMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize)
         return self.experts(x, weights, expert_ids)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block `h = x + mixer(norm1(x)); out = h + ffn(norm2(h))` under the checkpoint's names."""
+
+    def __init__(self, names: tuple[str, str, str, str], mixer: nn.Module, ffn: nn.Module, make_norm):
+        super().__init__()
+        self.names = names  # (norm1, mixer, norm2, ffn)
+        norm1, mixer_name, norm2, ffn_name = names
+        setattr(self, norm1, make_norm())
+        setattr(self, mixer_name, mixer)
+        setattr(self, norm2, make_norm())
+        setattr(self, ffn_name, ffn)
+
+    def forward(self, x, rope, meta, cache):
+        norm1, mixer, norm2, ffn = (getattr(self, n) for n in self.names)
+        h = x + mixer(norm1(x), rope, meta, cache)
+        return h + ffn(norm2(h))
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in HF naming: embed_tokens, layers, the final norm (`norm`, or `embedding_norm` in LFM2) and the
+    rotary embedding; forward runs embed -> rope -> layers -> final norm.
+
+    Layer i of type ATTENTION gets its KV cache from `kv_caches`, any other its state from `meta.state_caches`;
+    each list holds its kind of layer in layer order.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], layer_types: list[str],
+                 rotary_emb: RotaryEmbedding, final_norm: nn.Module, final_norm_name: str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.final_norm_name = final_norm_name
+        setattr(self, final_norm_name, final_norm)
+        self.rotary_emb = rotary_emb
+        self.layer_types = list(layer_types)
+        # Per layer: its index into kv_caches (attention) or meta.state_caches (state layers).
+        self.cache_index = [
+            sum(1 for u in layer_types[:i] if (u == ATTENTION) == (t == ATTENTION)) for i, t in enumerate(layer_types)
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per attention layer: [num_blocks, block_size, 2, kv_heads, head_dim]
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
+        for layer, layer_type, index in zip(self.layers, self.layer_types, self.cache_index, strict=True):
+            cache = kv_caches[index] if layer_type == ATTENTION else meta.state_caches[index]
+            x = layer(x, rope, meta, cache)
+        return getattr(self, self.final_norm_name)(x)  # [num_tokens, hidden]
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM over the paged KV cache: `model` (a DecoderStack) and an `lm_head` (maybe tied to the
+    embedding). Architectures build the layers (`make_layer`) and norms (`make_norm`) under their checkpoint's
+    names; forward() returns hidden states, compute_logits() the logits."""
+
+    final_norm_name = "norm"
+
+    def __init__(self, args, layer_types: list[str]):
+        super().__init__()
+        self.args = args
+        layers = [self.make_layer(i, t) for i, t in enumerate(layer_types)]
+        rotary_emb = RotaryEmbedding(args.head_dim, args.rope_parameters)
+        self.model = DecoderStack(
+            args.vocab_size, args.hidden_size, layers, layer_types, rotary_emb, self.make_norm(), self.final_norm_name
+        )
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)  # [num_tokens, hidden]
+
+    def kv_cache_shapes(self) -> list[tuple[int, int]]:
+        """(num_kv_heads, head_dim) of each attention layer's KV cache, in layer order."""
+        return [(self.args.num_key_value_heads, self.args.head_dim)] * self.model.layer_types.count(ATTENTION)
+
+    def tie_weights(self) -> None:
+        """Share the LM head with the embedding; the loader calls this again after `to_empty`, which gives
+        every module its own tensor."""
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def sanitize(self, name: str) -> str | None:
+        """Map a checkpoint tensor name to this model's name; None skips it."""
+        if "rotary_emb.inv_freq" in name or "pos_emb.inv_freq" in name:
+            return None
+        if self.args.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return name
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [num_tokens, vocab]

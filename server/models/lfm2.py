@@ -11,9 +11,9 @@ from typing import Any
 
 from torch import nn
 
-from server.models.base import BaseModelArgs
-from server.models.hybrid import ATTENTION, HybridLayer, HybridModel, ShortConv, lfm2_attention
-from server.models.layers import GatedMLP, RMSNorm
+from server.models.base import ATTENTION, BaseModelArgs
+from server.models.hybrid import HybridModel, ShortConv, lfm2_attention
+from server.models.layers import DecoderLayer, GatedMLP, RMSNorm
 
 
 @dataclass
@@ -77,9 +77,6 @@ class ModelArgs(BaseModelArgs):
 class Model(HybridModel):
     final_norm_name = "embedding_norm"
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, args.layer_types, args.head_dim, args.num_key_value_heads)
-
     def make_norm(self) -> nn.Module:
         return RMSNorm(self.args.hidden_size, self.args.norm_eps)
 
@@ -91,7 +88,7 @@ class Model(HybridModel):
         else:
             name, mixer = "conv", ShortConv(args.hidden_size, args.conv_L_cache)
         names = ("operator_norm", name, "ffn_norm", "feed_forward")
-        return HybridLayer(names, mixer, self.make_ffn(layer_idx), self.make_norm)
+        return DecoderLayer(names, mixer, self.make_ffn(layer_idx), self.make_norm)
 
     def make_ffn(self, layer_idx: int) -> nn.Module:
         return GatedMLP(self.args.hidden_size, self.args.dense_ffn_size(), names=("w1", "w3", "w2"))

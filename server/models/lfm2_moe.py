@@ -12,7 +12,6 @@ from torch import nn
 
 from server.models import lfm2
 from server.models.hybrid import SigmoidBiasMoE
-from server.models.layers import GatedMLP
 
 
 @dataclass
@@ -42,7 +41,7 @@ class Model(lfm2.Model):
     def make_ffn(self, layer_idx: int) -> nn.Module:
         args = self.args
         if layer_idx < args.num_dense_layers:
-            return GatedMLP(args.hidden_size, args.dense_ffn_size(), names=("w1", "w3", "w2"))
+            return super().make_ffn(layer_idx)
         return SigmoidBiasMoE(
             args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
             args.norm_topk_prob, args.routed_scaling_factor, args.use_expert_bias,

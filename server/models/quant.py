@@ -1,9 +1,9 @@
 """FP8 weights in the model: every linear and expert weight stored as float8_e4m3fn with one float32 scale
-per output row; embeddings, norms and routers stay in the model dtype (DESIGN.md §6).
+per output row; embeddings, norms and routers stay in the model dtype.
 
-Two ways in: `quantize_for_loading` swaps modules while the model is still on the meta device, so each
-checkpoint tensor is quantized as it streams in (peak memory near the quantized size); `quantize_model`
-converts an already materialized model (benchmarks with random weights).
+One swap (`swap_to_fp8`) replaces the modules, two ways: on the meta device, so that each checkpoint tensor
+is quantized as it streams in (peak memory near the quantized size); or on a materialized model, quantizing
+the weights it holds (`quantize_model`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,10 @@ class LoadableFp8Linear(Fp8Linear):
     def like(cls, linear: nn.Linear, dtype: torch.dtype) -> LoadableFp8Linear:
         return cls(linear.in_features, linear.out_features, linear.bias is not None, dtype, linear.weight.device)
 
-    @torch.no_grad()
     def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
-        rows = index if isinstance(index, slice) else slice(0, self.out_features)
-        if leaf == "bias":
-            self.bias[rows].copy_(tensor)
-        else:
-            self.load_rows(rows, tensor)
+        """Quantize a checkpoint weight (or the row block `index` of a fused one) into place; `leaf` is "weight",
+        the only tensor this layer declares to the loader."""
+        self.load_rows(index if isinstance(index, slice) else slice(0, self.out_features), tensor)
 
 
 class Fp8MergedLinear(LoadableFp8Linear):
@@ -42,7 +39,8 @@ class Fp8MergedLinear(LoadableFp8Linear):
     def __init__(self, merged: MergedLinear, dtype: torch.dtype):
         super().__init__(merged.in_features, merged.out_features, merged.bias is not None, dtype, merged.weight.device)
         self.output_sizes, self.source_names = merged.output_sizes, merged.source_names
-        self.shard_rows = merged.shard_rows
+
+    shard_rows = MergedLinear.shard_rows
 
 
 class Fp8FusedExperts(nn.Module):
@@ -65,6 +63,10 @@ class Fp8FusedExperts(nn.Module):
             x, weights, expert_ids, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale
         )
 
+    def copy_from(self, experts: FusedExperts) -> None:
+        self.load_weight("gate_up_proj", None, experts.gate_up_proj)
+        self.load_weight("down_proj", None, experts.down_proj)
+
     @torch.no_grad()
     def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
         """Quantize a checkpoint tensor (one expert's rows, or all experts) into `leaf`[index]."""
@@ -83,7 +85,7 @@ class Fp8FusedExperts(nn.Module):
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     """Every projection FP8 applies to: not routers, not an LM head tied to the embedding."""
-    tied = model.lm_head.weight is model.model.embed_tokens.weight if hasattr(model, "lm_head") else False
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     found = {}
     for name, module in model.named_modules():
         leaf = name.rpartition(".")[2]
@@ -94,7 +96,7 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 def plan_kept_layers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
     """Linears to keep in the model dtype because FP8 measured slower for their shape on this device, within
-    ~5% of the weight bytes (kernels.fp8_policy). Only measured on accelerators: CPU FP8 is a reference path."""
+    the keep budget of kernels.fp8_policy. Only measured on accelerators: CPU FP8 is a reference path."""
     if device.type not in ("cuda", "mps"):
         return set()
     from server.kernels.fp8_policy import plan_fp8_layers
@@ -109,39 +111,34 @@ def plan_kept_layers(model: nn.Module, device: torch.device, dtype: torch.dtype)
     return plan_fp8_layers(shapes, device, dtype, total)
 
 
-def quantize_for_loading(model: nn.Module, dtype: torch.dtype, keep: set[str] = frozenset()) -> None:
-    """On the meta device: swap linears (except `keep`) and experts for their FP8 forms, in place."""
-    for name, linear in quantizable_linears(model).items():
-        if name in keep:
-            continue
-        swapped = Fp8MergedLinear(linear, dtype) if isinstance(linear, MergedLinear) else LoadableFp8Linear.like(linear, dtype)
-        _replace(model, name, swapped)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FusedExperts):
-            _replace(model, name, Fp8FusedExperts(module))
+def swap_to_fp8(model: nn.Module, dtype: torch.dtype, keep: set[str] = frozenset(), copy_weights: bool = False) -> None:
+    """Replace the quantizable linears (except `keep`) and the experts by their FP8 forms, in place. With
+    `copy_weights`, each FP8 module quantizes the weights of the one it replaces (one layer at a time);
+    without, the loader fills it later."""
+    names = [name for name in quantizable_linears(model) if name not in keep]
+    names += [name for name, module in model.named_modules() if isinstance(module, FusedExperts)]
+    for name in names:
+        module = model.get_submodule(name)
+        fp8 = _fp8_form(module, dtype)
+        if copy_weights:
+            fp8.copy_from(module)
+        _replace(model, name, fp8)
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str = "fp8", plan: bool = True) -> nn.Module:
-    """Convert a materialized model to FP8 in place, one layer at a time (with the measured keep-plan)."""
-    if method != "fp8":
-        raise ValueError(f"unknown quantization {method!r}; use fp8")
+def quantize_model(model: nn.Module) -> nn.Module:
+    """Convert a materialized model to FP8 in place, with the keep-plan of its device."""
     param = next(model.parameters())
-    dtype = param.dtype
-    keep = plan_kept_layers(model, param.device, dtype) if plan else set()
-    for name, linear in quantizable_linears(model).items():
-        if name in keep:
-            continue
-        swapped = Fp8MergedLinear(linear, dtype) if isinstance(linear, MergedLinear) else LoadableFp8Linear.like(linear, dtype)
-        swapped.load_rows(slice(0, linear.out_features), linear.weight)
-        _replace(model, name, swapped)
-    for name, module in list(model.named_modules()):
-        if isinstance(module, FusedExperts):
-            fp8 = Fp8FusedExperts(module)
-            fp8.load_weight("gate_up_proj", None, module.gate_up_proj)
-            fp8.load_weight("down_proj", None, module.down_proj)
-            _replace(model, name, fp8)
+    swap_to_fp8(model, param.dtype, plan_kept_layers(model, param.device, param.dtype), copy_weights=True)
     return model
+
+
+def _fp8_form(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    if isinstance(module, FusedExperts):
+        return Fp8FusedExperts(module)
+    if isinstance(module, MergedLinear):
+        return Fp8MergedLinear(module, dtype)
+    return LoadableFp8Linear.like(module, dtype)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

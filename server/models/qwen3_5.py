@@ -13,16 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from server.models.base import BaseModelArgs
-from server.models.hybrid import (
-    ATTENTION,
-    GatedAttention,
-    GatedDeltaNet,
-    HybridLayer,
-    HybridModel,
-    default_layer_types,
-)
-from server.models.layers import GatedMLP, RMSNorm
+from server.models.base import ATTENTION, BaseModelArgs
+from server.models.hybrid import GatedAttention, GatedDeltaNet, HybridModel, default_layer_types
+from server.models.layers import DecoderLayer, GatedMLP, RMSNorm
 
 
 @dataclass
@@ -70,9 +63,6 @@ class ModelArgs(BaseModelArgs):
 class Model(HybridModel):
     ignored_prefixes = ("model.visual.", "mtp.")
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, args.layer_types, args.head_dim, args.num_key_value_heads)
-
     def make_norm(self) -> nn.Module:
         return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps, zero_centered=True)
 
@@ -90,7 +80,7 @@ class Model(HybridModel):
                 args.linear_value_head_dim, args.linear_conv_kernel_dim, args.rms_norm_eps,
             )
         names = ("input_layernorm", name, "post_attention_layernorm", "mlp")
-        return HybridLayer(names, mixer, self.make_mlp(layer_idx), self.make_norm)
+        return DecoderLayer(names, mixer, self.make_mlp(layer_idx), self.make_norm)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
         return GatedMLP(self.args.hidden_size, self.args.intermediate_size)

@@ -26,11 +26,13 @@ class ModelArgs(qwen3_5.ModelArgs):
 
 
 class Model(qwen3_5.Model):
-    renormalize = True
-
     def make_mlp(self, layer_idx: int) -> nn.Module:
         args = self.args
         return SharedExpertMoE(
             args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-            args.shared_expert_intermediate_size, self.renormalize,
+            args.shared_expert_intermediate_size, self.renormalize(),
         )
+
+    def renormalize(self) -> bool:
+        """Qwen3.5-MoE always renormalizes the top-k routing weights."""
+        return True

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from server.models import qwen3
-from server.models.layers import GatedMLP, SoftmaxMoE
+from server.models.base import is_moe_layer
+from server.models.layers import SoftmaxMoE
 
 
 @dataclass
@@ -20,14 +21,12 @@ class ModelArgs(qwen3.ModelArgs):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        return layer_idx not in self.mlp_only_layers and (layer_idx + 1) % self.decoder_sparse_step == 0
-
 
 class Model(qwen3.Model):
-    def make_mlp(self, args: ModelArgs, layer_idx: int) -> nn.Module:
-        if not args.is_moe_layer(layer_idx):
-            return GatedMLP(args.hidden_size, args.intermediate_size)
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        args = self.args
+        if not is_moe_layer(args, layer_idx):
+            return super().make_mlp(layer_idx)
         return SoftmaxMoE(
             args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size, args.norm_topk_prob
         )

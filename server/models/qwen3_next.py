@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from server.models import qwen3_5_moe
-from server.models.hybrid import SharedExpertMoE, split_grouped_projections
+from server.models.base import is_moe_layer
+from server.models.hybrid import split_grouped_projections
 from server.models.layers import GatedMLP
 
 
@@ -27,23 +28,15 @@ class ModelArgs(qwen3_5_moe.ModelArgs):
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
 
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        return (
-            layer_idx not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_idx + 1) % self.decoder_sparse_step == 0
-        )
-
 
 class Model(qwen3_5_moe.Model):
     def make_mlp(self, layer_idx: int) -> nn.Module:
-        args = self.args
-        if not args.is_moe_layer(layer_idx):
-            return GatedMLP(args.hidden_size, args.intermediate_size)
-        return SharedExpertMoE(
-            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-            args.shared_expert_intermediate_size, args.norm_topk_prob,
-        )
+        if is_moe_layer(self.args, layer_idx):
+            return super().make_mlp(layer_idx)
+        return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+
+    def renormalize(self) -> bool:
+        return self.args.norm_topk_prob
 
     def split_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Loader hook: grouped GDN projections -> the Qwen3.5 rows `GatedDeltaNet.in_proj` declares."""

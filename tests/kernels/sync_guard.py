@@ -1,6 +1,6 @@
 """Catch host syncs on the CPU: the aten ops behind .item(), nonzero, boolean-mask indexing, multinomial, bincount.
 
-`.tolist()` / `.cpu()` on a CPU tensor never reach the dispatcher, so they are not seen here; the H200 run of
+`.tolist()` / `.cpu()` on a CPU tensor never reach the dispatcher, so they are not seen here; a CUDA run of
 benchmarks/kernels.py checks the same code under torch.cuda.set_sync_debug_mode("error").
 """
 
