@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.bench.random_model import persistent_tensors
+from server.engine.weights import persistent_tensors
 from server.kernels.compat import synchronize
 
 
@@ -91,24 +91,6 @@ def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object
     result = fn()
     synchronize(device)
     return time.perf_counter() - start, result
-
-
-def cuda_graph_us(fn: Callable[[], object], warmups: int = 2, replays: int = 20) -> float:
-    """Microseconds per replay of `fn` captured in one CUDA graph (device time, no launch cost): the
-    benchmarks' way to time a sequence of kernels."""
-    for _ in range(warmups):  # compile / autotune outside the capture
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / replays
 
 
 def copy_bandwidth_gb_s(device: torch.device, num_bytes: int, reps: int = 10) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from server.engine.weights import WeightLoader, empty_model
+from server.engine.weights import WeightLoader, empty_model, persistent_tensors
 
 INIT_STD = 0.02
 
@@ -31,17 +31,6 @@ def init_value(
     if len(shape) == 1 and "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
         value.add_(1.0)
     return value.to(dtype)
-
-
-def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers by name, each tensor once (a tied LM head appears under the embedding)."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            out[name] = tensor
-    return out
 
 
 @torch.no_grad()

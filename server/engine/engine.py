@@ -37,6 +37,7 @@ from server.engine.types import (
     StreamDelta,
 )
 from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
+from server.engine.weights import persistent_tensors
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,7 @@ class Engine:
     def weight_bytes(self) -> int:
         """Bytes of all weights on the device: parameters and persistent buffers (FP8 weights and their
         scales, expert biases), each shared tensor once; not derived tables such as RoPE frequencies."""
-        tensors = {id(p): p for p in self.model.parameters()}
-        for module in self.model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                if buf is not None and name not in module._non_persistent_buffers_set:
-                    tensors[id(buf)] = buf
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        return sum(t.numel() * t.element_size() for t in persistent_tensors(self.model).values())
 
     @property
     def compile_state(self) -> str:

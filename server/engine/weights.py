@@ -277,3 +277,14 @@ def load_model(
                 loader.load(piece_name, piece)
     loader.check_complete()
     return model, config
+
+
+def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers by name, each tensor once (a tied LM head appears under the embedding)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tensor
+    return out
