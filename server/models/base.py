@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from server.kernels.flex_decode import decode_block_mask
+from server.models.rope import rope_parameters
 
 ATTENTION = "full_attention"  # the layer type of attention layers; any other type keeps a per-sequence state
 
@@ -16,24 +17,27 @@ ATTENTION = "full_attention"  # the layer type of attention layers; any other ty
 CONFIG_ALIASES = {"num_local_experts": "num_experts", "n_routed_experts": "num_experts"}
 
 
+def reject_sliding_window(config: dict[str, Any]) -> None:
+    """transformers applies `sliding_window` unless `use_sliding_window` is false (Qwen's switch, which leaves
+    the window size in config.json unused); attention here is always full causal."""
+    window = config.get("sliding_window")
+    if window is not None and config.get("use_sliding_window", True):
+        raise ValueError(f"sliding-window attention (sliding_window={window}) is not supported: attention here is "
+                         "full causal")
+
+
 @dataclass
 class BaseModelArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]):
-        """Build from config.json, dropping keys this architecture does not declare."""
+        """Build from config.json, dropping keys this architecture does not declare. Raises ValueError for
+        settings that change the math but are not implemented (rope types, sliding windows)."""
         config = dict(config)
         for alias, name in CONFIG_ALIASES.items():
             if alias in config and name not in config:
                 config[name] = config[alias]
-        # transformers 5 writes `rope_parameters`; older checkpoints carry rope_theta / rope_scaling.
-        rope = dict(config.get("rope_parameters") or {})
-        legacy = config.get("rope_scaling") or {}
-        rope = {**legacy, **rope}
-        if "rope_theta" not in rope and "rope_theta" in config:
-            rope["rope_theta"] = config["rope_theta"]
-        if "partial_rotary_factor" not in rope and "partial_rotary_factor" in config:
-            rope["partial_rotary_factor"] = config["partial_rotary_factor"]
-        config["rope_parameters"] = rope
+        reject_sliding_window(config)
+        config["rope_parameters"] = rope_parameters(config)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in config.items() if k in names})
 
@@ -73,28 +77,6 @@ class AttentionMetadata:
             num_blocks, block_size = kv_cache.shape[:2]
             meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
         return meta
-
-
-def rope_inv_freq(head_dim: int, rope: dict[str, Any], device: torch.device | str = "cpu") -> torch.Tensor:
-    """inv_freq for the rotated part of the head, with llama3 scaling when configured."""
-    theta = float(rope.get("rope_theta", 10000.0))
-    rot_dim = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
-    inv_freq = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.int64, device=device).float() / rot_dim)
-    if rope.get("rope_type", rope.get("type")) == "llama3":
-        inv_freq = _llama3_scale(inv_freq, rope)
-    return inv_freq  # [rot_dim // 2]
-
-
-def _llama3_scale(inv_freq: torch.Tensor, rope: dict[str, Any]) -> torch.Tensor:
-    factor = float(rope["factor"])
-    low, high = float(rope.get("low_freq_factor", 1.0)), float(rope.get("high_freq_factor", 4.0))
-    orig = float(rope["original_max_position_embeddings"])
-    wavelen = 2 * torch.pi / inv_freq
-    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
-    smooth = (orig / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= orig / high) & (wavelen <= orig / low)
-    return torch.where(is_medium, blended, scaled)
 
 
 def is_moe_layer(args, layer_idx: int) -> bool:

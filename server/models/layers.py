@@ -13,7 +13,8 @@ from torch import nn
 
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
-from server.models.base import ATTENTION, AttentionMetadata, rope_inv_freq
+from server.models.base import ATTENTION, AttentionMetadata
+from server.models.rope import rope_attention_factor, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -51,12 +52,23 @@ class MergedLinear(nn.Linear):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for the given positions; computed once per forward and shared by every layer."""
+    """cos/sin for the given positions; computed once per forward and shared by every layer. As transformers
+    returns them, they carry the rope type's attention factor (yarn), so attention needs no scaling of its own.
+
+    "dynamic" (NTK) computes its frequencies per forward on the device from the step's longest position, as
+    transformers does per forward call. Up to max_position_embeddings, which bounds a loaded model's
+    max_model_len, that is default RoPE exactly. Past it: a whole prompt in one step equals transformers'
+    forward, and a decode step at position p scales by p + 1, as transformers' generate does; cached keys keep
+    the frequencies they were rotated with, there as here (a prefix-cache hit too). Sequences stepped together
+    share the longest one's length, and a chunked prefill scales each chunk by its own end.
+    """
 
     def __init__(self, head_dim: int, rope: dict):
         super().__init__()
         self.head_dim = head_dim
         self.rope = dict(rope)
+        self.is_dynamic = self.rope.get("rope_type") == "dynamic"
+        self.attention_factor = rope_attention_factor(self.rope)
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, self.rope, "cpu"), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -64,9 +76,15 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.head_dim, self.rope, self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, rot_dim // 2]
+        inv_freq = self.inv_freq
+        if self.is_dynamic:
+            inv_freq = rope_inv_freq(self.head_dim, self.rope, positions.device, positions.max() + 1)
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, rot_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)  # [num_tokens, rot_dim]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)  # [num_tokens, rot_dim]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
