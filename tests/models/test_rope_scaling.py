@@ -11,13 +11,12 @@ import torch
 
 from server.config import EngineConfig
 from server.engine.engine import Engine
-from server.engine.types import SamplingParams
+from server.engine.types import ModelLoadError, SamplingParams
 from server.engine.weights import load_model
 from server.models.layers import RotaryEmbedding
 from server.models.llama import ModelArgs
-from tests.conftest import build_tiny
+from tests.helpers import ENGINE_KW, build_tiny, hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
-from tests.models.test_parity import ENGINE_KW, hf_greedy, make_engine, random_ids
 
 ORIG_LEN = 64  # original_max_position_embeddings of the scaled configs
 PROMPT_LEN = 100  # past ORIG_LEN
@@ -155,7 +154,7 @@ def with_config(tiny_checkpoint, tmp_path, arch: str, **changes):
 ])
 def test_unsupported_rope_and_sliding_window_refuse_to_load(arch, changes, message, tiny_checkpoint, tmp_path):
     path = with_config(tiny_checkpoint, tmp_path, arch, **changes)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ModelLoadError, match=message):  # the loader names the checkpoint before the reason
         Engine.from_pretrained(str(path), device="cpu", dtype="float32")
 
 
