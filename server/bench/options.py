@@ -16,7 +16,7 @@ GRAPH_MODES = {"on": True, "off": False}
 EPILOG = """\
 Measures through the real Engine: prefill tok/s = B * prompt_len / time(generate 1 token); steady decode
 tok/s = B * (n_long - n_short) / (t_long - t_short) with n_long = decode_tokens + 1, n_short = decode_tokens/2 + 1
-(65 and 129 for 128, as in reference/h200-measurements.md), best of --reps, after one warm-up call whose extra
+(65 and 129 for 128), best of --reps, after one warm-up call whose extra
 time is reported as compile_s. Weights are read once per decode step, so achieved GB/s = bytes per step / step
 time, and roofline_fraction = achieved GB/s / the device copy GB/s measured in the same run.
 kernels/step: device kernels of one steady decode step, counted by torch.profiler after the timed calls (CUDA
@@ -118,8 +118,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     bench.add_argument("--compare", choices=["transformers"], default=None)
     bench.add_argument("--peer-experts", choices=["keep-grouped", "transformers-default", "best"],
                        default="keep-grouped",
-                       help="MoE peer on GPUs: keep grouped_mm experts in decode (measured fastest compiled on "
-                            "the H200), transformers' own switch to batched_mm, or measure both and keep the best")
+                       help="MoE peer on GPUs: keep grouped_mm experts in decode (its fastest compiled form where "
+                            "measured), transformers' own switch to batched_mm, or measure both and keep the best")
     bench.add_argument("--reps", type=int, default=3, help="timed repetitions per length; the minimum is kept")
     bench.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
