@@ -235,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                                   *options])
     engine = sse.build_engine(engine_args, args.prompt_len + args.max_tokens + 16)
     async_engine = AsyncEngine(engine, max_waiting_requests=4096)
-    # serve warms up on the engine thread (AsyncEngine.warm_up); --main-thread does it and the reference on the
-    # main thread, as up to session 6 (the A/B for per-thread device state: no difference, session 7)
+    # every stream measured runs compiled: the warm-up runs first, on the engine thread (--main-thread: it and the
+    # reference on the main thread, the A/B for per-thread device state)
     on_thread = (lambda function: function()) if args.main_thread else async_engine.call
     on_thread(engine.warm_up)
     if not args.no_gc_freeze:

@@ -1,5 +1,5 @@
-"""How long `mps-serve serve` takes to warm up (Engine.warm_up: compile and capture the decode step before
-/health turns ready), with a cold and then a warm compile cache.
+"""How long the warm-up of the compiled steps takes (Engine.warm_up: compile and capture the decode step; `serve`
+runs the same beside serving), with a cold and then a warm compile cache.
 
     PYTHONPATH=. python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor   # cold
     PYTHONPATH=. python3 benchmarks/warmup_time.py --preset llama-3.1-8b --cache-dir /tmp/inductor   # warm
