@@ -115,6 +115,16 @@ def _copy_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
     return timed(lambda: dst.copy_(src), src.device)[0]
 
 
+def compile_cache_state() -> str:
+    """"warm" when inductor's cache directory already holds artifacts (a restart), else "cold"."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps it
+    except ImportError:
+        return "unknown"
+    path = Path(cache_dir())
+    return "warm" if path.is_dir() and any(path.iterdir()) else "cold"
+
+
 def kernels_counted_by(device: torch.device) -> str:
     return "cuda_kernels" if device.type == "cuda" else "aten_ops"
 

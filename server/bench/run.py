@@ -70,6 +70,7 @@ def resolve_target(opts: BenchOptions) -> Target:
 
 
 def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
+    compile_cache = measure.compile_cache_state()  # before anything of this run is compiled
     target = resolve_target(opts)
     batch_sizes = tuple(dict.fromkeys(opts.batch_sizes or target.defaults.get("batch_sizes") or DEFAULT_BATCH_SIZES))
     prompt_len = opts.prompt_len or target.defaults.get("prompt_len", DEFAULT_PROMPT_LEN)
@@ -105,6 +106,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
         "prompt_len": prompt_len, "num_decode_tokens": decode_tokens, "n_short": n_short, "n_long": n_long,
         "copy_gb_s": copy_gb_s, "torch_version": torch.__version__, "engine_options": dict(opts.engine_options),
         "transformers_version": _transformers_version(opts), "reps": opts.reps, "seed": opts.seed,
+        "compile_cache": compile_cache,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     peer_weights = None
@@ -126,6 +128,9 @@ def build_record(common: dict, batch_size: int, ours: Series, peer: Series | Non
     record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
     record["kernels_per_step"] = ours.kernels.get(batch_size)
+    rates = ours.rates[batch_size]  # start-up as a server pays it: build, then the first call's compile and capture
+    record["startup_s"] = {"build": common["build_s"], "first_call": rates.t_first, "compile": rates.warmup_s,
+                           "compile_cache": common["compile_cache"]}
     record["sample_token_ids"] = ours.tokens[batch_size]
     if peer is not None and batch_size in peer.rates:
         record.update(report.speed_fields(peer.rates[batch_size], peer_weights, copy_gb_s, prefix="peer_"))

@@ -13,6 +13,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -107,6 +108,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._handles: dict[str, AsyncRequestHandle] = {}
         self._thread: threading.Thread | None = None
+        self._started_at: float | None = None  # until the first token is served: the start-up log line
         self._stopping = threading.Event()
         self._wakeup = threading.Event()
         self._stats = EngineStats()
@@ -148,10 +150,10 @@ class AsyncEngine:
         used). Returns its seconds."""
         return self.call(self.engine.warm_up)
 
-    def compile_in_background(self) -> None:
+    def compile_in_background(self):
         """Engine.compile_in_background, on the engine thread: serving starts at once, on the eager path, and moves
-        to the compiled steps when they are ready."""
-        self.call(self.engine.compile_in_background)
+        to the compiled steps when they are ready. -> its BackgroundCompile, or None when nothing is to compile."""
+        return self.call(self.engine.compile_in_background)
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function()` on the engine thread between steps, block until it is done; its result or error.
@@ -197,6 +199,7 @@ class AsyncEngine:
             # a whole decode step. 1 ms bounds that wait (process-wide: the server process is ours).
             sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
             self._thread = threading.Thread(target=self._loop, name="mps-serve-engine", daemon=True)
+            self._started_at = time.perf_counter()
             self._thread.start()
 
     async def shutdown(self) -> None:
@@ -257,6 +260,10 @@ class AsyncEngine:
     def _deliver(self, deltas: list[StreamDelta]) -> None:
         """One wake-up of each event loop per step, not one per token: with many streams the per-call cost of
         call_soon_threadsafe (a self-pipe write and a loop wake-up) adds up in SSE delivery."""
+        if deltas and self._started_at is not None:  # the start-up phases end with the first token served
+            log.info("first token served %.1f s after the engine started (compile: %s)",
+                     time.perf_counter() - self._started_at, self.engine.compile_state)
+            self._started_at = None
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AsyncRequestHandle, StreamDelta]]] = {}
         for delta in deltas:
             handle = self._handles.get(delta.request_id)

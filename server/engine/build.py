@@ -4,6 +4,7 @@ the model runner. Plain functions from values to values; `Engine.__init__` calls
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +46,10 @@ def load_pretrained(config: EngineConfig) -> tuple[torch.nn.Module, Tokenizer, t
     checkpoint_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
     dtype = device_mod.select_dtype(config.dtype, device, checkpoint_dtype)
     log.info("loading %s on %s (%s) as %s", config.model, device, reason, dtype)
+    start = time.perf_counter()
     model, _ = load_model(model_dir, device, dtype, config.quantization)
     tokenizer = Tokenizer.from_pretrained(model_dir)
+    log.info("weights loaded%s in %.1f s", " and quantized" if config.quantization else "", time.perf_counter() - start)
     limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
     return model, tokenizer, device, dtype, min(config.max_model_len or limit, limit)
 

@@ -60,6 +60,9 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
         assert not [k for k in REQUIRED if k not in r]
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in POSITIVE), {k: r[k] for k in POSITIVE}
         assert r["compile_s"] >= 0 and r["dtype"] == "float32" and r["device"] == "cpu"
+        startup = r["startup_s"]  # a server's start-up: build, then the first call with its compile
+        assert startup["build"] == r["build_s"] > 0 and startup["first_call"] == r["first_call_s"] > 0
+        assert startup["compile"] == r["compile_s"] and startup["compile_cache"] == r["compile_cache"] in ("cold", "warm")
         assert r["engine_options"] == {"compile_prefill": False}  # recorded, so A/B lines tell themselves apart
         assert r["weight_bytes_per_token"] == expected_bytes_per_token(config, 4)
         assert r["speedup_vs_peer"] == pytest.approx(r["decode_tok_s"] / r["peer_decode_tok_s"])

@@ -77,3 +77,36 @@ def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpo
     assert "eager path" in warnings[0].getMessage()
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert engine.runner.decode_graphs is None and engine.kv_manager.num_used_blocks == 0
+
+
+def test_the_serving_engine_answers_while_compiling_and_logs_its_start_up(tiny_checkpoint, monkeypatch, caplog):
+    """AsyncEngine (what `serve` runs): the compile starts beside serving, the first request is answered while it
+    runs, and the log has the start-up phases: weights loaded, compile started, first token served."""
+    import asyncio
+
+    from server.engine.async_engine import AsyncEngine
+
+    path, _ = tiny_checkpoint("llama")
+    gate = threading.Event()
+    warm_up = Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self: gate.wait(120) and warm_up(self))
+    prompt = random_ids(6, 3)
+    expected = eager_tokens(path, [prompt])[0]
+
+    async def serve_one() -> list[int]:
+        engine = AsyncEngine(Engine.from_pretrained(str(path), **ENGINE_KW, compile="on"))
+        await engine.start()
+        background = engine.compile_in_background()
+        tokens = [t async for delta in engine.stream(prompt, replace(PARAMS)) for t in delta.token_ids]
+        assert engine.engine.compile_state == "compiling"
+        gate.set()
+        assert background.join(300) and engine.engine.compile_state == "ready", background.error
+        await engine.shutdown()
+        return tokens
+
+    with caplog.at_level(logging.INFO):
+        assert asyncio.run(serve_one()) == expected
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("weights loaded in ") for m in messages)
+    assert any(m.startswith("compiling the decode step in the background") for m in messages)
+    assert any(m.startswith("first token served ") and m.endswith("(compile: compiling)") for m in messages)
