@@ -32,12 +32,11 @@ def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> No
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
-    quantize = None if args.quantize in (None, "none") else args.quantize
     return {
         "model": args.model,
         "device": args.device,
         "dtype": args.dtype,
-        "quantization": quantize,
+        "quantization": args.quantize,  # "none" overrides a config file's fp8; EngineConfig normalizes it
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
     }
