@@ -72,11 +72,9 @@ def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except ValueError as exc:  # malformed, or a number past int's digit limit
             raise APIError(
-                400,
-                f"{where}.function.arguments is not valid JSON ({exc.msg} at position {exc.pos}).",
-                param=f"{where}.function.arguments",
+                400, f"{where}.function.arguments is not valid JSON: {exc}", param=f"{where}.function.arguments",
             ) from None
     out: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
     if call.id is not None:

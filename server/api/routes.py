@@ -61,7 +61,7 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError also covers numbers past int's digit limit
         raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")

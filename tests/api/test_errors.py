@@ -43,6 +43,8 @@ def _error(r: httpx.Response, status: int) -> dict:
      "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "9" * 5000}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
@@ -63,7 +65,8 @@ def test_invalid_completion_parameters_are_400(srv: RunningServer) -> None:
 
 
 def test_malformed_json_and_non_object_bodies(srv: RunningServer) -> None:
-    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+    huge_int = b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}"
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", huge_int):
         r = httpx.post(f"{srv.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert "detail" not in r.json()
         assert _error(r, 400)["code"] == "invalid_json"
