@@ -72,6 +72,20 @@ def test_malformed_json_and_non_object_bodies(srv: RunningServer) -> None:
         assert _error(r, 400)["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "a\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": ["ok", "\ud800"]}', "prompt[1]"),
+    ("/v1/completions", r'{"prompt": "x", "stop": {"\ud800": 1}}', "stop"),
+])
+def test_lone_surrogates_are_400(srv: RunningServer, path: str, raw: str, param: str) -> None:
+    r = httpx.post(f"{srv.url}{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert err["param"] == param and err["code"] == "invalid_unicode"
+
+
 def test_context_length_exceeded(srv: RunningServer) -> None:
     long_text = "word " * (srv.engine.max_model_len + 5)
     err = _error(srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}), 400)
