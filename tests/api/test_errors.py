@@ -49,6 +49,11 @@ def _error(r: httpx.Response, status: int) -> dict:
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({}, "messages"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}},
+                                 {"type": "function", "function": {"name": "g", "parameters": {"properties": [1]}}}]},
+     "tools[1].function.parameters"),
 ])
 def test_invalid_chat_parameters_are_400(srv: RunningServer, body: dict, param: str) -> None:
     err = _error(srv.post("/v1/chat/completions", body), 400)
