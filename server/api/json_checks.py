@@ -1,31 +1,57 @@
 """One walk over a parsed request body that refuses what would only fail deeper in the server.
 
-A lone UTF-16 surrogate ("\\ud800" as a JSON escape) is valid JSON but not text: the tokenizer cannot encode it.
-The walk is iterative and visits each string once, so a large body costs one pass and no recursion.
+- A lone UTF-16 surrogate ("\\ud800" as a JSON escape) is valid JSON but not text: the tokenizer cannot encode it.
+- Nesting past MAX_JSON_DEPTH: the template-input conversion and the template itself recurse once per level,
+  so a few hundred levels would exhaust Python's recursion limit there.
+The walk is iterative and builds a field's path only for the error, so a large body costs one cheap pass.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from server.api.errors import APIError
 
+MAX_JSON_DEPTH = 64  # far beyond real tool schemas and template kwargs, far below the recursion limit
+
+# a too-deep value is reported at the field where free-form JSON starts, not at its innermost level
+_FREE_FORM_FIELD = re.compile(r"^.*?(?:chat_template_kwargs|\.parameters|\.arguments|\.content)(?=[.\[]|$)")
+
+Trail = tuple[Any, Any] | None  # (parent trail, key): a path kept as links until an error needs it
+
 
 def check_json_body(body: Any, where: str = "") -> None:
-    """Raise a 400 naming the first string (or object key) that holds a lone surrogate."""
-    stack: list[tuple[Any, str]] = [(body, where)]
+    """Raise a 400 naming the first field that holds a lone surrogate or nests deeper than MAX_JSON_DEPTH."""
+    stack: list[tuple[Any, int, Trail]] = [(body, 0, None)]
     while stack:
-        value, path = stack.pop()
+        value, depth, trail = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            path = _path(where, trail)
+            named = _FREE_FORM_FIELD.match(path)
+            param = named.group(0) if named else re.split(r"[.\[]", path, maxsplit=1)[0]
+            raise APIError(400, f"{param} nests deeper than {MAX_JSON_DEPTH} levels.", param=param,
+                           code="too_deeply_nested")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
-            item_path = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
             if isinstance(key, str) and not _is_text(key):
-                _refuse_surrogate(path or "body")
+                _refuse_surrogate(_path(where, trail) or "body")
             if isinstance(item, str):
                 if not _is_text(item):
-                    _refuse_surrogate(item_path)
+                    _refuse_surrogate(_path(where, (trail, key)))
             elif isinstance(item, dict | list):
-                stack.append((item, item_path))
+                stack.append((item, depth + 1, (trail, key)))
+
+
+def _path(where: str, trail: Trail) -> str:
+    keys = []
+    while trail is not None:
+        trail, key = trail
+        keys.append(key)
+    path = where
+    for key in reversed(keys):
+        path = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+    return path
 
 
 def _is_text(s: str) -> bool:

@@ -91,6 +91,37 @@ def test_lone_surrogates_are_400(srv: RunningServer, path: str, raw: str, param:
     assert err["param"] == param and err["code"] == "invalid_unicode"
 
 
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _deep_arguments_call(arguments: str) -> dict:
+    return {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MSG, "chat_template_kwargs": {"x": _nested_schema(300)}}, "chat_template_kwargs"),
+    ({"messages": [_deep_arguments_call(json.dumps(_nested_schema(300))), *MSG]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [_deep_arguments_call("[" * 100_000), *MSG]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": _nested_schema(300)}]}]},
+     "messages[0].content"),
+])
+def test_deep_nesting_is_400(srv: RunningServer, body: dict, param: str) -> None:
+    assert _error(srv.post("/v1/chat/completions", body), 400)["param"] == param
+
+
+def test_real_tool_schemas_nest_freely(srv: RunningServer) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(25)}}]
+    r = srv.post("/v1/chat/completions", {"messages": MSG, "tools": tools, "chat_template_kwargs": {"x": [[[[1]]]]}})
+    assert r.status_code == 200, r.text
+
+
 def test_context_length_exceeded(srv: RunningServer) -> None:
     long_text = "word " * (srv.engine.max_model_len + 5)
     err = _error(srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": long_text}]}), 400)
