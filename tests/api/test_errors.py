@@ -51,6 +51,9 @@ def _error(r: httpx.Response, status: int) -> dict:
     ({}, "messages"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]},
      "tools[0].function.parameters"),
+    ({"messages": MSG, "stream": True,
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]},
+     "tools[0].function.parameters"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}},
                                  {"type": "function", "function": {"name": "g", "parameters": {"properties": [1]}}}]},
      "tools[1].function.parameters"),
@@ -167,14 +170,16 @@ def test_queue_full_is_429_with_retry_after(srv: RunningServer) -> None:
     assert _error(r, 429) and r.headers["retry-after"] and len(srv.engine.submitted) == n
 
 
-def test_error_mid_stream_is_one_error_event(srv: RunningServer) -> None:
-    srv.engine.script = Script(pieces=["a", "b", "c"], error_after=2)
+@pytest.mark.parametrize("error_after", [0, 2])
+def test_error_mid_stream_is_one_error_event_then_done(srv: RunningServer, error_after: int) -> None:
+    srv.engine.script = Script(pieces=["a", "b", "c"], error_after=error_after)
     for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"})):
         r = srv.post(path, {**body, "stream": True})
         data, _ = sse_events(r)
-        assert "[DONE]" not in data
-        last = json.loads(data[-1])
-        assert set(last) == {"error"} and last["error"]["type"] == "server_error"
+        assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+        events = [json.loads(d) for d in data[:-1]]
+        assert [set(e) for e in events].count({"error"}) == 1
+        assert set(events[-1]) == {"error"} and events[-1]["error"]["type"] == "server_error"
         with pytest.raises(openai.APIError):
             list(srv.client().completions.create(model="m", prompt="x", stream=True))
         r = srv.post(path, body)  # non-streaming: a 500, not a hang
