@@ -13,9 +13,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from server.engine.types import EngineError, InvalidRequestError, ModelLoadError, QueueFullError
 
@@ -123,6 +124,12 @@ def install_error_handlers(app: FastAPI) -> None:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
         err = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
         return err.response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, _: ClientDisconnect) -> Response:
+        # the client hung up mid-upload: its own abort, so no 5xx and no traceback (anyone could flood both)
+        logger.info("%s %s: client disconnected while sending the body", request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from server.api.errors import APIError
+from server.api.json_checks import check_json_body
 from server.api.schemas import ChatMessage, ToolCall
 
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -72,12 +73,11 @@ def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # malformed, a number past int's digit limit, or deep nesting
             raise APIError(
-                400,
-                f"{where}.function.arguments is not valid JSON ({exc.msg} at position {exc.pos}).",
-                param=f"{where}.function.arguments",
+                400, f"{where}.function.arguments is not valid JSON: {exc}", param=f"{where}.function.arguments",
             ) from None
+        check_json_body(arguments, f"{where}.function.arguments")  # the body's own walk saw only a string
     out: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
     if call.id is not None:
         out["id"] = call.id

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from server.api.errors import APIError, from_engine_error, validation_error
 from server.api.generation import Generation, submit_choices
+from server.api.json_checks import check_json_body
 from server.api.messages import template_messages
 from server.api.metrics import CONTENT_TYPE
 from server.api.reasoning import prompt_opens_reasoning
@@ -61,10 +62,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError also covers numbers past int's digit limit
         raise APIError(400, f"The request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
+    check_json_body(body)
     return body
 
 

@@ -157,6 +157,8 @@ class ChatCompletionRequest(_SamplingRequest):
             if isinstance(choice, NamedToolChoice) or choice == "required":
                 raise APIError(400, "tool_choice requires a non-empty tools list.", param="tool_choice")
             return None
+        for i, tool in enumerate(self.tools):
+            _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if choice == "none":
             return None
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -203,6 +205,14 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs).", param="echo")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
+
+
+def _check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
+    """The JSON-schema shape the tool-call parsers read: `properties` maps names to schemas."""
+    properties = (parameters or {}).get("properties")
+    if properties is not None and not isinstance(properties, dict):
+        raise APIError(400, f"{where}.properties must be an object mapping parameter names to JSON schemas.",
+                       param=where)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

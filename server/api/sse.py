@@ -1,5 +1,7 @@
 """Server-sent events framing, and responses that notice a client leaving while the engine works.
 
+A stream that fails after its headers ends with one error event and `data: [DONE]`, whatever raised.
+
 Starlette only watches for `http.disconnect` on older ASGI spec versions; here it is watched always, so a client
 that goes away aborts its engine request at once, not at the next write (or, for non-streaming, never).
 """
@@ -13,6 +15,8 @@ from typing import Any
 import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from server.api.errors import from_engine_error
 
 DONE = "data: [DONE]\n\n"
 KEEPALIVE_COMMENT = ": keepalive\n\n"
@@ -36,7 +40,7 @@ class SSEResponse(Response):
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], Awaitable[None]]):
         super().__init__(status_code=200, headers=SSE_HEADERS, media_type=self.media_type)
-        self._events = events
+        self._events = _ending_with_error(events)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -63,6 +67,20 @@ class SSEResponse(Response):
                 await self._on_close()
         if self.background is not None:
             await self.background()
+
+
+async def _ending_with_error(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`events`, and if they raise: one `data: {"error": ...}` event and [DONE]. The 200 and the headers are
+    already out, so the event is the only way left to tell the client; each event is written whole, so the
+    client never sees half of one."""
+    try:
+        async for text in events:
+            yield text
+    except Exception as exc:
+        yield sse_data(from_engine_error(exc).body())
+        yield DONE
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
 
 
 async def run_until_disconnect(receive: Receive, work: Awaitable[Any]) -> tuple[bool, Any]:

@@ -3,8 +3,8 @@
 Stream rules, as OpenAI streams and its clients expect: one id and `created` on every chunk; first a role delta
 `{"role":"assistant","content":""}`; the last chunk of each choice has an empty delta and the finish_reason;
 with include_usage every chunk has `"usage":null` and one final chunk has `"choices":[]` and the usage;
-`: keepalive` comments while nothing arrives; `data: [DONE]`. An error mid-stream is one `data: {"error":...}`
-event and the stream closes.
+`: keepalive` comments while nothing arrives; `data: [DONE]`. An error or an abort mid-stream is raised here and
+becomes one `data: {"error":...}` event, then `data: [DONE]` (SSEResponse).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.api.chat_output import ChatOutputParser, MessageBuilder, chat_logprobs, completion_logprobs, delta_dicts
-from server.api.errors import APIError, from_engine_error
+from server.api.errors import APIError
 from server.api.generation import KEEPALIVE, Choice, Generation
 from server.api.sse import DONE, KEEPALIVE_COMMENT, sse_data
 from server.engine.types import StreamDelta, TokenLogprob
@@ -58,10 +58,6 @@ def _abort_error(generation: Generation) -> APIError:
 
 def _chat_finish_reason(engine_reason: str, parser: ChatOutputParser) -> str:
     return "tool_calls" if engine_reason == "stop" and parser.has_tool_calls else engine_reason
-
-
-def _stream_error(exc: Exception) -> str:
-    return sse_data(from_engine_error(exc).body())
 
 
 async def stream_chat(ctx: ResponseContext) -> AsyncIterator[str]:
@@ -131,25 +127,20 @@ async def stream_completion(ctx: ResponseContext) -> AsyncIterator[str]:
 async def _event_stream(
     ctx: ResponseContext, header: dict, on_delta: Callable[[Choice, StreamDelta], Iterator[str]]
 ) -> AsyncIterator[str]:
-    """What chat and text completions share: keepalives, an abort as an error event, the usage chunk, [DONE],
-    and an engine failure sent as `data: {"error": ...}` before the stream closes."""
+    """What chat and text completions share: keepalives, an abort raised as an error, the usage chunk, [DONE]."""
     gen = ctx.generation
-    try:
-        async for item in gen.events(ctx.keepalive_s):
-            if item is KEEPALIVE:
-                yield KEEPALIVE_COMMENT
-                continue
-            choice, delta = item
-            if delta.finish_reason == "abort":
-                yield sse_data(_abort_error(gen).body())
-                return
-            for line in on_delta(choice, delta):
-                yield line
-        if ctx.include_usage:
-            yield sse_data({**header, "choices": [], "usage": gen.usage()})
-        yield DONE
-    except Exception as exc:
-        yield _stream_error(exc)
+    async for item in gen.events(ctx.keepalive_s):
+        if item is KEEPALIVE:
+            yield KEEPALIVE_COMMENT
+            continue
+        choice, delta = item
+        if delta.finish_reason == "abort":
+            raise _abort_error(gen)
+        for line in on_delta(choice, delta):
+            yield line
+    if ctx.include_usage:
+        yield sse_data({**header, "choices": [], "usage": gen.usage()})
+    yield DONE
 
 
 async def _final_deltas(gen: Generation) -> AsyncIterator[tuple[Choice, StreamDelta]]:

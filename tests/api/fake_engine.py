@@ -163,6 +163,8 @@ class FakeEngine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            prompt.encode("utf-8")  # a real tokenizer cannot encode lone surrogates either
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         if prompt_tokens >= self.max_model_len:  # a prompt that fits is accepted; generation stops at the limit
             raise ContextLengthExceededError(prompt_tokens, self.max_model_len)

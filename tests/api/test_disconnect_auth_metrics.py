@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -52,6 +53,38 @@ def test_disconnect_aborts_the_request(stream: bool, before_first_token: bool) -
         # the server is still healthy for the next client
         engine.script = Script(pieces=["ok"])
         assert running.post("/v1/chat/completions", {"messages": body["messages"], "max_tokens": 2}).status_code == 200
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_disconnect_during_upload_is_not_a_server_error() -> None:
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in ("mps_serve.api", "uvicorn.error")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        with serve() as running:
+            host, port = running.url.removeprefix("http://").split(":")
+            for path in ("/v1/chat/completions", "/v1/completions"):
+                with socket.create_connection((host, int(port))) as sock:
+                    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 'Content-Length: 100000\r\n\r\n{"messages": ['.encode())
+                wait_until(lambda path=path: f'endpoint="{path}"' in running.metrics())
+            metrics = running.metrics()
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert not re.findall(r'status="5\d\d"', metrics), metrics
+    assert _metric(metrics, "mps_serve_http_requests_total", '{endpoint="/v1/completions",status="499"}') == 1
+    assert not [r for r in records.records if r.levelno >= logging.WARNING or r.exc_info], records.records
+    assert len(records.records) <= 2  # at most one line per aborted upload
 
 
 def test_metrics_count_requests_tokens_and_engine_gauges() -> None:

@@ -43,10 +43,20 @@ def _error(r: httpx.Response, status: int) -> dict:
      "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}]},
      "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "9" * 5000}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({}, "messages"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MSG, "stream": True,
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 3}}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}},
+                                 {"type": "function", "function": {"name": "g", "parameters": {"properties": [1]}}}]},
+     "tools[1].function.parameters"),
 ])
 def test_invalid_chat_parameters_are_400(srv: RunningServer, body: dict, param: str) -> None:
     err = _error(srv.post("/v1/chat/completions", body), 400)
@@ -63,10 +73,56 @@ def test_invalid_completion_parameters_are_400(srv: RunningServer) -> None:
 
 
 def test_malformed_json_and_non_object_bodies(srv: RunningServer) -> None:
-    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+    huge_int = b'{"messages": [{"role": "user", "content": "hi"}], "seed": ' + b"9" * 5000 + b"}"
+    for raw in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", huge_int):
         r = httpx.post(f"{srv.url}/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
         assert "detail" not in r.json()
         assert _error(r, 400)["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "a\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}',
+     "messages[0].content[0].text"),
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": ["ok", "\ud800"]}', "prompt[1]"),
+    ("/v1/completions", r'{"prompt": "x", "stop": {"\ud800": 1}}', "stop"),
+])
+def test_lone_surrogates_are_400(srv: RunningServer, path: str, raw: str, param: str) -> None:
+    r = httpx.post(f"{srv.url}{path}", content=raw.encode(), headers={"content-type": "application/json"})
+    err = _error(r, 400)
+    assert err["param"] == param and err["code"] == "invalid_unicode"
+
+
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def _deep_arguments_call(arguments: str) -> dict:
+    return {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": arguments}}]}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]},
+     "tools[0].function.parameters"),
+    ({"messages": MSG, "chat_template_kwargs": {"x": _nested_schema(300)}}, "chat_template_kwargs"),
+    ({"messages": [_deep_arguments_call(json.dumps(_nested_schema(300))), *MSG]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [_deep_arguments_call("[" * 100_000), *MSG]}, "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": _nested_schema(300)}]}]},
+     "messages[0].content"),
+])
+def test_deep_nesting_is_400(srv: RunningServer, body: dict, param: str) -> None:
+    assert _error(srv.post("/v1/chat/completions", body), 400)["param"] == param
+
+
+def test_real_tool_schemas_nest_freely(srv: RunningServer) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(25)}}]
+    r = srv.post("/v1/chat/completions", {"messages": MSG, "tools": tools, "chat_template_kwargs": {"x": [[[[1]]]]}})
+    assert r.status_code == 200, r.text
 
 
 def test_context_length_exceeded(srv: RunningServer) -> None:
@@ -114,14 +170,16 @@ def test_queue_full_is_429_with_retry_after(srv: RunningServer) -> None:
     assert _error(r, 429) and r.headers["retry-after"] and len(srv.engine.submitted) == n
 
 
-def test_error_mid_stream_is_one_error_event(srv: RunningServer) -> None:
-    srv.engine.script = Script(pieces=["a", "b", "c"], error_after=2)
+@pytest.mark.parametrize("error_after", [0, 2])
+def test_error_mid_stream_is_one_error_event_then_done(srv: RunningServer, error_after: int) -> None:
+    srv.engine.script = Script(pieces=["a", "b", "c"], error_after=error_after)
     for path, body in (("/v1/chat/completions", {"messages": MSG}), ("/v1/completions", {"prompt": "x"})):
         r = srv.post(path, {**body, "stream": True})
         data, _ = sse_events(r)
-        assert "[DONE]" not in data
-        last = json.loads(data[-1])
-        assert set(last) == {"error"} and last["error"]["type"] == "server_error"
+        assert data[-1] == "[DONE]" and data.count("[DONE]") == 1
+        events = [json.loads(d) for d in data[:-1]]
+        assert [set(e) for e in events].count({"error"}) == 1
+        assert set(events[-1]) == {"error"} and events[-1]["error"]["type"] == "server_error"
         with pytest.raises(openai.APIError):
             list(srv.client().completions.create(model="m", prompt="x", stream=True))
         r = srv.post(path, body)  # non-streaming: a 500, not a hang
