@@ -1,6 +1,7 @@
 """Server-sent events framing, and responses that notice a client leaving while the engine works.
 
-A stream that fails after its headers ends with one error event and `data: [DONE]`, whatever raised.
+A stream that fails after its headers ends with one error event and closes, whatever raised (clients such as
+openai-python raise on that event; no `[DONE]` follows, so none mistakes the stream for complete).
 
 Starlette only watches for `http.disconnect` on older ASGI spec versions; here it is watched always, so a client
 that goes away aborts its engine request at once, not at the next write (or, for non-streaming, never).
@@ -70,15 +71,14 @@ class SSEResponse(Response):
 
 
 async def _ending_with_error(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`events`, and if they raise: one `data: {"error": ...}` event and [DONE]. The 200 and the headers are
-    already out, so the event is the only way left to tell the client; each event is written whole, so the
-    client never sees half of one."""
+    """`events`, and if they raise: one `data: {"error": ...}` event, then the stream closes. The 200 and the
+    headers are already out, so the event is the only way left to tell the client; each event is written whole,
+    so the client never sees half of one."""
     try:
         async for text in events:
             yield text
     except Exception as exc:
         yield sse_data(from_engine_error(exc).body())
-        yield DONE
     finally:
         await events.aclose()  # type: ignore[attr-defined]
 

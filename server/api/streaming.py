@@ -4,7 +4,7 @@ Stream rules, as OpenAI streams and its clients expect: one id and `created` on 
 `{"role":"assistant","content":""}`; the last chunk of each choice has an empty delta and the finish_reason;
 with include_usage every chunk has `"usage":null` and one final chunk has `"choices":[]` and the usage;
 `: keepalive` comments while nothing arrives; `data: [DONE]`. An error or an abort mid-stream is raised here and
-becomes one `data: {"error":...}` event, then `data: [DONE]` (SSEResponse).
+becomes one `data: {"error":...}` event, and the stream closes (SSEResponse).
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def test_signal_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: f
         assert lines[-1] == "data: [DONE]"
         text = "".join(p["choices"][0]["delta"].get("content") or "" for p in payloads if p.get("choices"))
         assert text == "".join(f"p{i} " for i in range(50))
-    else:  # aborted after the grace period: one error event, then [DONE]
-        assert payloads[-1]["error"]["code"] == "server_shutdown" and lines[-1] == "data: [DONE]"
+    else:  # aborted after the grace period: one error event, the stream closes
+        assert payloads[-1]["error"]["code"] == "server_shutdown" and "[DONE]" not in lines[-1]
 
 
 def test_model_load_failure_exits_1(tmp_path: Path) -> None:
