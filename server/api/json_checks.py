@@ -23,6 +23,10 @@ Trail = tuple[Any, Any] | None  # (parent trail, key): a path kept as links unti
 
 def check_json_body(body: Any, where: str = "") -> None:
     """Raise a 400 naming the first field that holds a lone surrogate or nests deeper than MAX_JSON_DEPTH."""
+    if not isinstance(body, dict | list):  # a scalar, e.g. tool-call arguments that parse to a number
+        if isinstance(body, str) and not _is_text(body):
+            _refuse_surrogate(where or "body")
+        return
     stack: list[tuple[Any, int, Trail]] = [(body, 0, None)]
     while stack:
         value, depth, trail = stack.pop()

@@ -193,3 +193,19 @@ def test_health_is_503_and_requests_wait_while_loading() -> None:
         assert _error(r, 503)["code"] == "model_loading" and r.headers["retry-after"]
         assert running.get("/v1/models").json()["data"][0]["id"] == "some/model"
         assert "mps_serve_model_loaded 0.0" in running.metrics()
+
+
+@pytest.mark.parametrize("value", [5, 2.5, True, None, "text"])
+def test_json_checks_accept_scalars(value) -> None:
+    """Tool-call arguments may parse to a scalar: nothing to walk, and no 500."""
+    from server.api.json_checks import check_json_body
+
+    check_json_body(value, "messages[1].tool_calls[0].function.arguments")
+
+
+def test_json_checks_name_a_lone_surrogate_in_a_scalar_string() -> None:
+    from server.api.errors import APIError
+    from server.api.json_checks import check_json_body
+
+    with pytest.raises(APIError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments contains a lone"):
+        check_json_body("\ud800", "messages[1].tool_calls[0].function.arguments")
