@@ -14,9 +14,9 @@ def warm_up_runs(decode_batch_sizes: list[int] | None, compile_prefill: bool, hy
     """The batches of prompt ids to run, one batch per run, with WARM_UP_PARAMS.
 
     Decode: one run per batch bucket of the compiled decode step (None: there is none), of 1-token prompts, so
-    the whole batch is prefilled in one step through the decode step, then decodes. SDPA compiles batch 1 and
-    then one graph for larger batches, whose later buckets only capture CUDA graphs unless a size guard
-    differs, as MoE's few-tokens path does; flex beyond batch 1 compiles each bucket. With compile_prefill,
+    the whole batch is prefilled in one step through the decode step, then decodes. Batch 1 compiles apart, then
+    one graph serves larger batches, whose later buckets only capture CUDA graphs unless a size guard differs,
+    as MoE's few-tokens path does. With compile_prefill,
     also the prefill forms (a fresh prompt alone, fresh prompts together, continued chunks and mixes), each
     with few and with many tokens (MoE paths differ)."""
     if decode_batch_sizes is None:  # decode steps run through the compiled prefill forward: one sequence, several
