@@ -2,6 +2,10 @@
 
     PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b [--graphs 0]
     PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset qwen3.6-35b-a3b [--quantize fp8]
+    PYTHONPATH=. python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --num-layers 4 --list-step
+
+--num-layers N keeps the first N layers (full widths: per-layer figures for a fraction of the compile);
+--list-step prints the kernels of the last profiled step in launch order, one line each (what one layer runs).
 
 Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler
 and classifies every GPU kernel by name (regexes below; inductor names kernels after the ops it fused, so a
@@ -22,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from server.bench.measure import synchronize
-from server.bench.presets import load_preset
+from server.bench.presets import load_preset, with_num_layers
 from server.bench.random_model import build_random_model
 from server.config import EngineConfig
 from server.engine.engine import Engine
@@ -57,10 +61,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
+    parser.add_argument("--num-layers", type=int, default=None, help="keep the first N layers of the preset")
+    parser.add_argument("--list-step", action="store_true", help="print the last step's kernels in launch order")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
     device = torch.device(args.device)
     hf_config = load_preset(args.preset).hf_config
+    if args.num_layers is not None:
+        hf_config = with_num_layers(hf_config, args.num_layers)
     model = build_random_model(hf_config, device, torch.bfloat16, quantization=args.quantize)
     config = EngineConfig(model=args.preset, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
@@ -76,6 +84,8 @@ def main() -> None:
         engine.generate(prompts, params)
         synchronize(device)
         wall = time.perf_counter() - start
+    if args.list_step:
+        print_last_step(prof, steps=args.steps + 1)
     per_category: dict[str, float] = defaultdict(float)
     kernels: dict[str, int] = defaultdict(int)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # kernel name -> [count, ms]
@@ -99,6 +109,16 @@ def main() -> None:
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),
                       "ms_per_step_by_category": rows,
                       "kernels_per_step_by_category": {c: round(n / steps, 1) for c, n in kernels.items()}}, indent=1))
+
+
+def print_last_step(prof, steps: int) -> None:
+    """The device kernels of the last step, in launch order, with their device time."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time_total > 0), key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    print(f"# last step: {per_step} kernels (of {len(kernels)} in {steps} steps)")
+    for event in kernels[-per_step:]:
+        print(f"{event.device_time_total:8.2f} us  {classify(event.name):20s} {event.name[:150]}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
 #   qwen       Qwen3-30B-A3B, batch 1, with and without CUDA graphs
 #   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
+#   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
+#   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -23,6 +25,12 @@ for case in "$@"; do
                --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
+    layers) for p in qwen3-30b-a3b llama-3.1-8b; do
+              timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
+                --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
+            cat "$out"/layers-*.txt > "$out/layers.txt" ;;
+    llamaown) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --graphs on,off \
+                --json "$out/llamaown.jsonl" > "$out/llamaown.txt" 2>&1 ;;
     *) echo "unknown case $case"; exit 2 ;;
   esac
   echo "== $case: exit $? after $((SECONDS - start)) s"

@@ -38,6 +38,7 @@ examples:
 class BenchOptions:
     model: str | None = None
     preset: str | None = None
+    num_layers: int | None = None  # a preset cut to its first N layers: per-layer figures at a fraction of the compile
     batch_sizes: tuple[int, ...] | None = None  # None: the preset's, else DEFAULT_BATCH_SIZES
     prompt_len: int | None = None
     decode_tokens: int | None = None
@@ -100,6 +101,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     )
     bench.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (or use --preset)")
     bench.add_argument("--preset", default=None, help="server/configs/presets/NAME.toml: real shapes, random weights")
+    bench.add_argument("--num-layers", type=int, default=None,
+                       help="with --preset: keep only the first N decoder layers (full widths), for per-layer "
+                            "figures at a fraction of the compile time (default: all)")
     bench.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,4,16)")
     bench.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 128)")
     bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
@@ -141,11 +145,14 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
     if args.graphs != (None,) and any(key == "cuda_graphs" for key, _ in args.engine_option):
         raise ValueError("give the graph modes with --graphs or --no-graphs, not --engine-option cuda_graphs=...")
+    if args.num_layers is not None and (args.preset is None or args.num_layers < 1):
+        raise ValueError(f"--num-layers takes a positive count and needs --preset, got {args.num_layers}")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise ValueError(f"--prompt-len must be at least 1, got {args.prompt_len}")
     return BenchOptions(
         model=args.model,
         preset=args.preset,
+        num_layers=args.num_layers,
         batch_sizes=args.batch_sizes,
         prompt_len=args.prompt_len,
         decode_tokens=args.decode_tokens,

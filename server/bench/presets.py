@@ -63,6 +63,21 @@ def load_preset(name: str) -> Preset:
     return Preset(path.name.removesuffix(".toml"), model, bench)
 
 
+def with_num_layers(hf_config: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The config cut to its first `num_layers` decoder layers; per-layer lists (layer_types, ...) are cut with it,
+    per-layer index lists (mlp_only_layers, ...) keep the indices that remain."""
+    total = int(hf_config["num_hidden_layers"])
+    if num_layers > total:
+        raise ValueError(f"--num-layers {num_layers}: the preset has {total} layers")
+    cut = dict(hf_config, num_hidden_layers=num_layers)
+    for key, value in hf_config.items():
+        if isinstance(value, list) and len(value) == total and key != "eos_token_id":
+            cut[key] = value[:num_layers]
+        elif key.endswith("_layers") and isinstance(value, list) and all(isinstance(v, int) for v in value):
+            cut[key] = [v for v in value if v < num_layers]
+    return cut
+
+
 def model_args(hf_config: dict[str, Any]):
     """The ModelArgs our model is built from, through the same path as a checkpoint's config.json."""
     from server.models.registry import get_model_module

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from server.bench import measure, report
 from server.bench.options import DEFAULT_BATCH_SIZES, DEFAULT_DECODE_TOKENS, DEFAULT_PROMPT_LEN, BenchOptions
-from server.bench.presets import load_preset
+from server.bench.presets import load_preset, with_num_layers
 from server.config import EngineConfig, load_config
 from server.engine import device as device_mod
 
@@ -62,7 +62,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def resolve_target(opts: BenchOptions) -> Target:
     if opts.preset is not None:
         preset = load_preset(opts.preset)
-        return Target(preset.name, preset.hf_config, None, preset.bench)
+        if opts.num_layers is None:
+            return Target(preset.name, preset.hf_config, None, preset.bench)
+        hf_config = with_num_layers(preset.hf_config, opts.num_layers)
+        return Target(f"{preset.name}[{opts.num_layers} layers]", hf_config, None, preset.bench)
     from server.engine.weights import read_config, resolve_model_path
 
     model_dir = resolve_model_path(opts.model)

@@ -86,9 +86,10 @@ class DecodeRows:
         return packed.shape[1] - self.num_fixed
 
     def unpack(self, packed: torch.Tensor) -> DecodeFields:
-        state_slots = packed[:, self.STATE_SLOT] if self.scratch_state_slot is not None else None
-        return DecodeFields(packed[:, 0], packed[:, 1], packed[:, 2], packed[:, 3], state_slots,
-                            packed[:, self.num_fixed:])
+        """Copies, not views: the compiled decoder layer region refuses inputs that alias one another."""
+        state_slots = packed[:, self.STATE_SLOT].clone() if self.scratch_state_slot is not None else None
+        columns = (packed[:, i].clone() for i in range(self.STATE_SLOT))
+        return DecodeFields(*columns, state_slots, packed[:, self.num_fixed:].clone())
 
 
 class DecodeGraphs:
