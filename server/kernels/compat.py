@@ -72,3 +72,17 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def compile_region(fn):
+    """`torch.compiler.nested_compile_region(fn)` where torch traces nested regions with the caller's dynamic
+    sizes (2.13+); older releases turn every dynamic size inside the region into an unbacked one, on which a
+    layer's shape-dependent branches cannot be traced, so there `fn` is compiled inline, as one graph."""
+    if torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region"):
+        return torch.compiler.nested_compile_region(fn)
+    return fn

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.kernels import compat
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
@@ -208,7 +209,7 @@ class DecoderLayer(nn.Module):
     # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
     # compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours
     # are the residual add before it and the next norm's reduction after it.
-    @torch.compiler.nested_compile_region
+    @compat.compile_region
     def forward(self, x, rope, meta, cache):
         norm1, mixer, norm2, ffn = (getattr(self, n) for n in self.names)
         h = x + mixer(norm1(x), rope, meta, cache)
