@@ -27,13 +27,18 @@ from server.kernels.capabilities import grouped_mm_ok
 
 
 def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+    """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64).
+
+    With renormalization the weights are the softmax of the k winning logits, which equals the full softmax
+    renormalized over them, and costs no softmax over all E nor a separate sum of the winners."""
+    logits = router_logits.float()  # [T, E]
     # Unsorted: slot order only changes the fp32 summation order, and sorting the k winners costs a kernel of
     # its own per layer.
-    weights, expert_ids = torch.topk(probs, top_k, dim=-1, sorted=False)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        top_logits, expert_ids = torch.topk(logits, top_k, dim=-1, sorted=False)
+        weights = torch.softmax(top_logits, dim=-1)
+    else:
+        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1, sorted=False)
     return weights.to(router_logits.dtype), expert_ids
 
 
@@ -124,11 +129,18 @@ def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
     hidden = (gate_up[flat_ids].float() * x_slots.float()).sum(-1)  # [T*k, 2I]
-    y_slots = (down[flat_ids].float() * swiglu(hidden).unsqueeze(1)).sum(-1)  # [T*k, H]
-    y_slots = y_slots.view(num_tokens, top_k, -1)
-    # A k-term weighted sum as a reduction, not a bmm: inductor fuses it with its neighbours, where a bmm
-    # is a BLAS call of its own per layer.
-    return (weights.float().unsqueeze(-1) * y_slots).sum(1).to(x.dtype)
+    return down_and_combine(down[flat_ids].float(), swiglu(hidden), weights).to(x.dtype)
+
+
+def down_and_combine(down_slots: torch.Tensor, act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over a token's slots j and over i of weights[j] * down_slots[j, h, i] * act[j, i] -> [T, H] float32:
+    the down projection and the routing-weighted combine as ONE reduction over (slot, i), so inductor emits one
+    kernel and no [T*k, H] intermediate. down_slots [T*k, H, I] (gathered, maybe scaled: an expression under
+    compile, never materialized), act [T*k, I], weights [T, k]."""
+    num_tokens, top_k = weights.shape
+    weighted_act = act.float() * weights.reshape(-1, 1).float()  # [T*k, I]
+    products = down_slots * weighted_act.unsqueeze(1)  # [T*k, H, I]
+    return products.view(num_tokens, top_k, *products.shape[1:]).sum(dim=(1, 3))
 
 
 def _experts_gather_bmm(x, weights, expert_ids, gate_up, down):

@@ -14,7 +14,15 @@ import torch
 from server.kernels import compat
 from server.kernels.capabilities import fp8_grouped_ok
 from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
-from server.kernels.moe import combine_slots, moe_experts, slot_matvecs, sort_by_expert, swiglu, use_gather_reduce
+from server.kernels.moe import (
+    combine_slots,
+    down_and_combine,
+    moe_experts,
+    slot_matvecs,
+    sort_by_expert,
+    swiglu,
+    use_gather_reduce,
+)
 
 
 def moe_experts_fp8(
@@ -65,15 +73,15 @@ def _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, do
 
 
 def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
-    """For torch.compile only (see moe._experts_gather_reduce): FP8 bytes read once, scales applied per row
-    after each reduction, activations never quantized."""
+    """For torch.compile only (see moe._experts_gather_reduce): FP8 bytes read once, activations never
+    quantized; gate_up's row scales applied after its reduction, down's inside the one down-and-combine
+    reduction."""
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
     hidden = (gate_up_q[flat_ids].float() * x_slots.float()).sum(-1) * gate_up_scale[flat_ids]  # [T*k, 2I]
-    y_slots = (down_q[flat_ids].float() * swiglu(hidden).unsqueeze(1)).sum(-1) * down_scale[flat_ids]  # [T*k, H]
-    y_slots = y_slots.view(num_tokens, top_k, -1)
-    return torch.bmm(weights.float().unsqueeze(1), y_slots).squeeze(1).to(x.dtype)
+    down_slots = down_q[flat_ids].float() * down_scale[flat_ids].unsqueeze(-1)  # [T*k, H, I], scaled per row
+    return down_and_combine(down_slots, swiglu(hidden), weights).to(x.dtype)
 
 
 def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):

@@ -90,6 +90,8 @@ class GatedDeltaNet(nn.Module):
     Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are un-grouped to the same rows while loading
     (`split_grouped_projections`)."""
 
+    traces_whole = False  # the chunked prefill carries its state across chunks eagerly (a graph break)
+
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, kernel_size: int, eps: float):
         super().__init__()
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_dim, v_dim

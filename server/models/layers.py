@@ -133,18 +133,23 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, kv_heads, head_dim]
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [num_tokens, heads + kv_heads | kv_heads, head_dim]
         if self.has_qk_norm:
-            q = getattr(self, self.q_norm_name)(q)
-            k = getattr(self, self.k_norm_name)(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = self.norm_qk(qk)
+        # q and k heads normed and rotated together: one kernel of the compiled step instead of one per tensor
+        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q_norm on the q heads and k_norm on the k heads of `qk` [num_tokens, heads + kv_heads, head_dim], as
+        one RMSNorm whose weight row depends on the head."""
+        q_norm, k_norm = getattr(self, self.q_norm_name), getattr(self, self.k_norm_name)
+        weight = torch.cat((q_norm.weight.expand(self.num_heads, -1), k_norm.weight.expand(self.num_kv_heads, -1)))
+        return weight * F.rms_norm(qk, qk.shape[-1:], None, q_norm.eps)
 
 
 class GatedMLP(nn.Module):
@@ -205,15 +210,25 @@ class DecoderLayer(nn.Module):
         setattr(self, mixer_name, mixer)
         setattr(self, norm2, make_norm())
         setattr(self, ffn_name, ffn)
+        self.traces_whole = getattr(mixer, "traces_whole", True)
 
-    # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
-    # compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours
-    # are the residual add before it and the next norm's reduction after it.
-    @compat.compile_region
     def forward(self, x, rope, meta, cache):
-        norm1, mixer, norm2, ffn = (getattr(self, n) for n in self.names)
-        h = x + mixer(norm1(x), rope, meta, cache)
-        return h + ffn(norm2(h))
+        if self.traces_whole:
+            return _layer_region(self, x, rope, meta, cache)
+        return _layer_forward(self, x, rope, meta, cache)
+
+
+def _layer_forward(layer: DecoderLayer, x, rope, meta, cache):
+    norm1, mixer, norm2, ffn = (getattr(layer, n) for n in layer.names)
+    h = x + mixer(norm1(x), rope, meta, cache)
+    return h + ffn(norm2(h))
+
+
+# Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
+# compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours are the
+# residual add before it and the next norm's reduction after it. A region must trace whole: a mixer with a
+# deliberate graph break (traces_whole = False) runs its layers inline.
+_layer_region = compat.compile_region(_layer_forward)
 
 
 class DecoderStack(nn.Module):
