@@ -95,8 +95,18 @@ def _run(check: Callable[[], str]) -> Probe:
     try:
         return Probe(True, check())
     except Exception as exc:  # any failure of an optional fast path means "use the fallback"
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Probe(False, f"{type(exc).__name__}: {message[:160]}")
+        return Probe(False, failure_reason(exc))
+
+
+def failure_reason(exc: BaseException, max_len: int = 320) -> str:
+    """The exception's type and the first line of its text, cut at a sentence end when long (torch's
+    dispatcher errors go on to list every backend)."""
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else ""
+    if len(message) > max_len:
+        end = message.rfind(". ", 0, max_len)
+        message = message[: end + 1] if end > 0 else message[:max_len] + " ..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _rand(*shape: int, device: torch.device, seed: int) -> torch.Tensor:
