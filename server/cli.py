@@ -1,4 +1,4 @@
-"""The `mps-serve` command: serve, generate, bench, info."""
+"""The `mps-serve` command: serve, generate, bench, info, selfcheck."""
 
 from __future__ import annotations
 
@@ -124,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     from server.bench.options import add_bench_parser  # argparse only; the bench itself loads lazily
 
     add_bench_parser(sub, common)
+    check = sub.add_parser("selfcheck", parents=common,
+                           help="every fast path against its reference on this machine, speeds and a short decode; "
+                                "a PASS/FAIL table and a summary line for bug reports")
+    check.add_argument("--device", choices=DEVICES, default="auto",
+                       help="the device to check; auto picks mps, then cuda, then cpu (default: auto)")
+    check.add_argument("--json", dest="json_path", default=None,
+                       help="also write every check and the system details to this JSON file (default: none)")
+    check.add_argument("--quick", action="store_true",
+                       help="small sizes, no compile and no real-size preset: seconds instead of a minute or two "
+                            "(default: the full check)")
+    check.add_argument("--seed", type=int, default=None,
+                       help="seed of the random inputs, to replay a failure (default: a fresh one, printed)")
 
     info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled",
                           parents=common)
@@ -224,6 +236,12 @@ def freeze_startup_objects() -> None:
     log.info("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
 
 
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from server.selfcheck.run import cmd_selfcheck as run_selfcheck
+
+    return run_selfcheck(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from server.bench.run import cmd_bench as run_bench
 
@@ -237,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     # inputs of a graph, such as the SDPA backend flags that paged_attention.prefill_sdpa_backends sets.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench,
+                "selfcheck": cmd_selfcheck}
     try:
         return handlers[args.command](args)
     except (ValueError, EngineError) as exc:  # configuration and request errors carry a message that says what to fix

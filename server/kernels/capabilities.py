@@ -17,6 +17,7 @@ import torch
 from server.kernels import compat
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+REPORT_HINT = "please report it on the mps-serve issue tracker with the output of `mps-serve selfcheck`"
 _MAX_REL_ERR = 3e-2  # fp8 / bf16 outputs against an fp32 product of the same (dequantized) operands
 
 
