@@ -122,7 +122,7 @@ def cmd_selfcheck(args: argparse.Namespace) -> int:
     if args.json_path:
         write_json(args.json_path, system, checks, capability_lines)
     if counts(checks)[FAIL]:
-        print(f"\nSome checks failed: {REPORT_HINT}, with the line above and the file written by "
+        print(f"\nSome checks failed. {REPORT_HINT}: the summary line above, and the file written by "
               "`mps-serve selfcheck --json selfcheck.json`.", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,78 @@
+"""The engine on a fast path that fails at run time: one warning, and the same greedy tokens as an engine that
+takes the reference path from the start."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from server.engine.types import SamplingParams
+from server.kernels import compat, fp8, moe, moe_fp8, streams
+from server.kernels.capabilities import Probe, capabilities
+from tests.helpers import make_engine, random_ids
+
+CPU = torch.device("cpu")
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [random_ids(n, n) for n in (5, 11)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_failures():
+    failures = capabilities(CPU).runtime_failures
+    failures.clear()
+    yield
+    failures.clear()
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError("no kernel for this shape on this device")
+
+
+def _tokens(path, **kw) -> list[list[int]]:
+    return [out.token_ids for out in make_engine(path, **kw).generate(PROMPTS, PARAMS)]
+
+
+def _reference_off(monkeypatch, name: str):
+    """Make the probe answer no for `name`: the engine then takes the reference path from its first step."""
+    if name == "grouped_mm":
+        monkeypatch.setattr(moe, "grouped_mm_ok", lambda *args: False)
+    elif name == "fp8_rowwise":
+        monkeypatch.setattr(fp8, "fp8_rowwise_ok", lambda *args: False)
+
+
+def _break(monkeypatch, name: str):
+    if name == "grouped_mm":
+        monkeypatch.setattr(compat, "grouped_mm", broken)
+    elif name == "fp8_rowwise":
+        monkeypatch.setattr(compat, "scaled_mm_rowwise", broken)
+    elif name == "fp8_grouped":  # told it has one, the CPU's scaled_grouped_mm fails for real
+        monkeypatch.setattr(moe_fp8, "fp8_grouped_ok", lambda device: True)
+    elif name == "streams":
+        probed = dataclasses.replace(capabilities(CPU), streams=Probe(True, "told so by the test"))
+        monkeypatch.setattr(streams, "capabilities", lambda device: probed)
+        monkeypatch.setattr(torch.cpu, "Stream", broken)
+
+
+@pytest.mark.parametrize("name, arch, quantization", [
+    ("grouped_mm", "qwen3_moe", None),
+    ("fp8_rowwise", "llama", "fp8"),
+    ("fp8_grouped", "qwen3_moe", "fp8"),
+    ("streams", "qwen3", None),
+])
+def test_a_failing_fast_path_gives_the_reference_tokens_with_one_warning(tiny_checkpoint, monkeypatch, caplog, name,
+                                                                          arch, quantization):
+    path, _ = tiny_checkpoint(arch)
+    with monkeypatch.context() as patch:
+        _reference_off(patch, name)
+        expected = _tokens(path, quantization=quantization)
+    _break(monkeypatch, name)
+    with caplog.at_level(logging.WARNING):
+        got = _tokens(path, quantization=quantization)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"the {name} fast path failed on cpu" in warnings[0], warnings
+    assert "mps-serve selfcheck" in warnings[0]
+    assert got == expected
+    assert list(capabilities(CPU).runtime_failures) == [name]
