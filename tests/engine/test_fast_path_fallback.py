@@ -76,3 +76,26 @@ def test_a_failing_fast_path_gives_the_reference_tokens_with_one_warning(tiny_ch
     assert "mps-serve selfcheck" in warnings[0]
     assert got == expected
     assert list(capabilities(CPU).runtime_failures) == [name]
+
+
+def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
+    """Without the background compile (the Python API, `generate`, `serve --no-warmup`), the compiled step is
+    built at its first use: a failure there moves the engine to the eager path instead of failing the request.
+    The warm-up still raises, for its caller to report."""
+    import torch._inductor.compile_fx
+
+    path, _ = tiny_checkpoint("qwen3")
+    expected = _tokens(path, compile="off")
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken)
+    engine = make_engine(path, compile="on")
+    assert engine.compile_state == "lazy"
+    with caplog.at_level(logging.WARNING):
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiling the decode step failed on cpu" in warnings[0], warnings
+    assert "no kernel for this shape on this device" in warnings[0] and "mps-serve selfcheck" in warnings[0]
+    assert got == expected
+    assert engine.compile_state == "failed" and engine.runner.decode_graphs is None
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        make_engine(path, compile="on").warm_up()
