@@ -13,7 +13,7 @@ DEFAULT_PROMPT_LEN = 128
 DEFAULT_DECODE_TOKENS = 128
 QUANTIZATIONS = ("none", "fp8")
 GRAPH_MODES = {"on": True, "off": False}
-COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # copy-bandwidth buffer per device type (4 GiB fills HBM caches)
+COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # copy-bandwidth buffer per device type, past any cache
 COMPARE_INSTALL = "pip install 'mps-serve[compare]'"  # the extra that brings transformers
 
 EPILOG = """\

@@ -76,6 +76,8 @@ def check_compiled_vs_eager(device: torch.device, sizes: DecodeSizes) -> Check:
                               max_model_len=sizes.prompt_len + COMPILE_CHECK_TOKENS + 1)
         engine = Engine.from_model(model, config, device)
         try:
+            if mode == "on":
+                engine.warm_up()  # compiles every step form now, and raises where one fails
             tokens[mode] = engine.generate(prompt, params).token_ids
         except Exception as exc:  # noqa: BLE001 - the finding: compiling does not work here
             if mode == "off":
@@ -84,6 +86,9 @@ def check_compiled_vs_eager(device: torch.device, sizes: DecodeSizes) -> Check:
                          f"{describe_failure(exc)}", {"compiled": False})
         finally:
             torch.compiler.reset()
+        if engine.compile_state == "failed":
+            return Check(SECTION, "compiled_vs_eager", FAIL, "the compiled step failed and the engine went eager "
+                         "(see the warning above)", {"compiled": False})
     same = next((i for i, (a, b) in enumerate(zip(tokens["on"], tokens["off"], strict=True)) if a != b),
                 COMPILE_CHECK_TOKENS)
     status = PASS if tokens["on"] == tokens["off"] else FAIL

@@ -87,6 +87,13 @@ def probe_checks(caps: Capabilities) -> list[Check]:
     return checks
 
 
+def fallback_checks(caps: Capabilities) -> list[Check]:
+    """Fast paths that passed the probe but raised during the checks: the checks above then passed on the
+    reference path, so each of these is a failure of its own."""
+    return [Check("fallback", name, FAIL, f"raised at run time; the reference path answered instead: {reason}")
+            for name, reason in caps.runtime_failures.items()]
+
+
 def run_selfcheck(device_name: str, quick: bool, seed: int, log=print) -> tuple[dict[str, Any], list[str], list[Check]]:
     start = time.perf_counter()
     device, why = select_device(device_name)
@@ -105,6 +112,7 @@ def run_selfcheck(device_name: str, quick: bool, seed: int, log=print) -> tuple[
     checks += speed_results
     log("decode: compiled vs eager, short decodes ...")
     checks += decode.decode_checks(device, dtype, decode.QUICK if quick else decode.FULL, speed_sizes.copy_mib)
+    checks += fallback_checks(caps)
     system["seconds"] = round(time.perf_counter() - start, 1)
     return system, caps.describe(), checks
 

@@ -71,3 +71,25 @@ def test_the_decode_preset_is_the_smallest_that_fits_with_the_kv_allowance(monke
         assert why.startswith("skipped: no preset fits")
     monkeypatch.setattr(decode, "device_memory_bytes", lambda device: None)
     assert decode.fitting_preset(torch.device("cpu"), torch.float32)[2].startswith("skipped: no preset fits")
+
+
+def test_a_fast_path_that_fell_back_during_the_checks_is_a_fail(monkeypatch):
+    from server.kernels import compat
+    from server.kernels.capabilities import capabilities
+    from server.selfcheck.run import fallback_checks
+
+    caps = capabilities("cpu")
+    caps.runtime_failures.clear()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(compat, "grouped_mm", broken)
+    try:
+        moe_check = next(c for c in kernel_pairs.kernel_checks(torch.device("cpu"), torch.float32, seed=1)
+                         if c.name == "moe_experts")
+        assert moe_check.status == PASS  # the reference path answered, and answered right
+        (fallback,) = fallback_checks(caps)
+        assert fallback.name == "grouped_mm" and fallback.status == FAIL and "no kernel for this shape" in fallback.detail
+    finally:
+        caps.runtime_failures.clear()
