@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "a PASS/FAIL table and a summary line for bug reports")
     check.add_argument("--device", choices=DEVICES, default="auto",
                        help="the device to check; auto picks mps, then cuda, then cpu (default: auto)")
-    check.add_argument("--json", dest="json_path", default=None,
+    check.add_argument("--json", dest="json_path", default=None, metavar="FILE",
                        help="also write every check and the system details to this JSON file (default: none)")
     check.add_argument("--quick", action="store_true",
                        help="small sizes, no compile and no real-size preset: seconds instead of a minute or two "

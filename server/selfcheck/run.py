@@ -119,9 +119,9 @@ def run_selfcheck(device_name: str, quick: bool, seed: int, log=print) -> tuple[
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    # the bench's and the engine's info lines would bury the table
-    for name in ("server", "torch"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    if logging.getLogger().level >= logging.INFO:  # the bench's and the engine's info lines would bury the table
+        for name in ("server", "torch"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     system, capability_lines, checks = run_selfcheck(args.device, args.quick, seed,
                                                      log=lambda line: print(line, file=sys.stderr))
     print(table(checks))

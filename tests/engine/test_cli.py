@@ -79,7 +79,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(action.choices)
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "bench", "info"])
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "info", "selfcheck"])
 def test_every_flag_says_what_it_does_and_its_default(command):
     parser = _subparsers(cli.build_parser())[command]
     for action in parser._actions:
@@ -91,7 +91,7 @@ def test_every_flag_says_what_it_does_and_its_default(command):
 
 
 @pytest.mark.parametrize("command", [["info"], ["generate", "--prompt", "hi"], ["serve"],
-                                     ["bench", "--preset", "tiny-moe"]])
+                                     ["bench", "--preset", "tiny-moe"], ["selfcheck"]])
 def test_log_level_is_accepted_before_and_after_the_command(command):
     parser = cli.build_parser()
     assert parser.parse_args(command).log_level == "info"
