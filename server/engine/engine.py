@@ -92,10 +92,10 @@ class Engine:
     @property
     def compile_state(self) -> str:
         """One of types.COMPILE_STATES."""
-        if self._background is not None:
-            return self._background.state
         if self._compile_failed:
             return "failed"
+        if self._background is not None:
+            return self._background.state
         if self.runner.decode_graphs is None and not self.compile_prefill:
             return "off"
         return "ready" if self._warmed_up else "lazy"
@@ -193,8 +193,9 @@ class Engine:
 
     def _launch(self, out: SchedulerOutput):
         """runner.launch; a compiled step that fails to compile here (dynamo or inductor raising before the
-        step runs) moves the engine to the eager runner with one warning, and the step runs there. The warm-up
-        re-raises instead: its caller (the background compile, or whoever asked for it) reports the failure."""
+        step runs: its first use, or a shape the warm-up did not cover) moves the engine to the eager runner for
+        good, with one warning, and the step runs there. The warm-up re-raises instead: its caller (the
+        background compile, or whoever asked for it) reports the failure."""
         try:
             return self.runner.launch(out, self._in_flight)
         except torch._dynamo.exc.TorchDynamoException as exc:
@@ -205,6 +206,7 @@ class Engine:
             self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
             self.compile_prefill = False
             self._compile_failed = True
+            self._compiled_runner = None  # a background compile's runner too: never moved to again
             return self.runner.launch(out, self._in_flight)
 
     @staticmethod

@@ -99,3 +99,37 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
     assert engine.compile_state == "failed" and engine.runner.decode_graphs is None
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
         make_engine(path, compile="on").warm_up()
+
+
+def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
+    """The compiled steps were ready, then a shape they had not seen fails to compile: eager for good, one
+    warning, and the engine never moves back to the compiled runner."""
+    from server.engine.engine import Engine
+
+    path, _ = tiny_checkpoint("qwen3")
+    expected = _tokens(path, compile="off")
+    engine = make_engine(path, compile="on", max_num_seqs=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "warm_up", lambda self: 0.0)  # "ready" at once; nothing is compiled in this test
+        assert engine.compile_in_background().join(60) and engine.compile_state == "ready"
+    monkeypatch.setattr(type(engine.runner), "launch", broken_launch := _raising_launch(type(engine.runner).launch))
+    with caplog.at_level(logging.WARNING):
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiling the decode step failed" in warnings[0], warnings
+    assert got == expected and engine.compile_state == "failed" and engine.runner.decode_graphs is None
+    assert broken_launch.calls == 1
+
+
+def _raising_launch(launch):
+    """ModelRunner.launch that raises a compile failure on the compiled runner, and runs the eager one."""
+
+    def patched(runner, out, prev=None):
+        if runner.decode_graphs is None:
+            return launch(runner, out, prev)
+        patched.calls += 1
+        raise torch._dynamo.exc.TorchDynamoException("no kernel for this shape")
+
+    patched.calls = 0
+    return patched
