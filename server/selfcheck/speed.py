@@ -1,5 +1,5 @@
 """The speeds that decide how well this machine serves: copy bandwidth (the roofline every decode figure is a
-fraction of), GEMV through F.linear in the model dtype and in FP8 (the decode step's dense layers), and one MoE
+fraction of), GEMV through F.linear in bf16 and in FP8 (the decode step's dense layers), and one MoE
 layer on the sync-free path against the host-synced loop twin. Measurements pass when they run and give
 finite, positive rates; slow is reported, not failed (there is no bound a user's machine must reach)."""
 
@@ -45,17 +45,13 @@ def speed_checks(device: torch.device, dtype: torch.dtype, sizes: SpeedSizes) ->
     copy = attempt(SECTION, "copy_bandwidth", lambda: check_copy(device, sizes.copy_mib))
     copy_gb_s = copy.values.get("gb_s")
     checks = [copy]
-    for shape in sizes.gemv_shapes:
+    for shape in sizes.gemv_shapes:  # in bf16, the checkpoints' dtype, whatever the device serves in
         for quantized in (False, True):
-            name = f"gemv_{'fp8' if quantized else _dtype_name(dtype)}_{shape[0]}x{shape[1]}"
+            name = f"gemv_{'fp8' if quantized else 'bf16'}_{shape[0]}x{shape[1]}"
             checks.append(attempt(SECTION, name, lambda s=shape, q=quantized, n=name: check_gemv(
-                device, dtype, s, q, sizes.reps, copy_gb_s, n)))
+                device, torch.bfloat16, s, q, sizes.reps, copy_gb_s, n)))
     checks.append(attempt(SECTION, "moe_layer", lambda: check_moe_layer(device, dtype, sizes.moe_shape, sizes.reps)))
     return checks, copy_gb_s
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _rate(name: str, gb_s: float, detail: str, values: dict) -> Check:
