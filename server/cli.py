@@ -1,4 +1,4 @@
-"""The `mps-serve` command: serve, generate, bench, info."""
+"""The `mps-serve` command: serve, generate, bench, info, selfcheck."""
 
 from __future__ import annotations
 
@@ -8,27 +8,41 @@ import importlib.metadata
 import logging
 import os
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
-from server.config import load_config
+from server.config import EngineConfig, ServerConfig, load_config
 from server.engine.types import EngineError
 
 log = logging.getLogger(__name__)
 
 
-def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> None:
-    if model_required:
-        parser.add_argument("model", help="local Hugging Face checkpoint directory, Hub repo id, or 'demo'")
-    else:
-        parser.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (default: demo)")
-    parser.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default=None)
-    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None)
-    parser.add_argument("--quantize", choices=["none", "fp8"], default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
+ENGINE_DEFAULTS = EngineConfig()
+SERVER_DEFAULTS = ServerConfig()
+DEVICES = ["auto", "mps", "cuda", "cpu"]
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="local Hugging Face checkpoint directory, Hub repo id, or 'demo' (default: the config "
+                             f"file's model, else {ENGINE_DEFAULTS.model}: a tiny random-weight model, no download)")
+    parser.add_argument("--device", choices=DEVICES, default=None,
+                        help=f"where the model runs; auto picks mps, then cuda, then cpu (default: {ENGINE_DEFAULTS.device})")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
+                        help="weight and activation dtype; auto: the checkpoint's on an accelerator, float32 on the "
+                             f"cpu (default: {ENGINE_DEFAULTS.dtype})")
+    parser.add_argument("--quantize", choices=["none", "fp8"], default=None,
+                        help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16 "
+                             "(default: none)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences decoded together (default: {ENGINE_DEFAULTS.max_num_seqs})")
     parser.add_argument("--config", default=None,
-                        help="TOML file with [engine] and [server] tables (see server/configs/)")
+                        help="TOML file with [engine] and [server] tables; flags override it (default: none; "
+                             "server/configs/default.toml is an example)")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
@@ -54,41 +68,81 @@ def installed_version() -> str:
             return "unknown"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mps-serve", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server")
-    _add_model_args(serve, model_required=False)
-    serve.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=None)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--served-model-name", default=None)
+
+def _global_flags(default) -> argparse.ArgumentParser:
+    """Flags accepted before the command and after it; the subcommands' copies default to SUPPRESS, so a flag
+    given before the command is not reset by the subcommand's parser."""
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--log-level", choices=LOG_LEVELS, default=default,
+                       help=f"logging threshold (default: {SERVER_DEFAULTS.log_level})")
+    return flags
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mps-serve", description=__doc__, parents=[_global_flags("info")])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = [_global_flags(argparse.SUPPRESS)]
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", parents=common)
+    _add_model_args(serve)
+    serve.add_argument("--host", default=None, help=f"bind address (default: {SERVER_DEFAULTS.host})")
+    serve.add_argument("--port", type=int, default=None, help=f"TCP port (default: {SERVER_DEFAULTS.port})")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on the /v1 endpoints (default: none, open)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name /v1/models lists (default: the MODEL argument)")
     serve.add_argument("--no-warmup", action="store_true",
                        help="do not compile the decode step beside serving at start-up; the first requests then "
-                            "wait for it to compile")
-    serve.add_argument("--allowed-origins", default=None, help="comma-separated CORS origins (CORS is off by default)")
+                            "wait for it to compile (default: compile at start-up)")
+    serve.add_argument("--allowed-origins", default=None,
+                       help="comma-separated CORS origins (default: none, CORS off)")
+    serve.add_argument("--shutdown-grace", type=_seconds, default=None, metavar="SECONDS",
+                       help="on Ctrl-C / SIGTERM, how long streams in flight get to finish before they are aborted; "
+                            f"a second Ctrl-C exits at once (default: {SERVER_DEFAULTS.shutdown_grace_s:g})")
 
-    gen = sub.add_parser("generate", help="generate text once and print it")
-    _add_model_args(gen, model_required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen = sub.add_parser("generate", help="generate text once and print it (no server)", parents=common)
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True, help="the prompt text (required)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap the prompt as a user message in the chat template (default: plain text prompt)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0.0)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default: 1.0, off)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default: 0, off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
 
     from server.bench.options import add_bench_parser  # argparse only; the bench itself loads lazily
 
-    add_bench_parser(sub)
+    add_bench_parser(sub, common)
+    check = sub.add_parser("selfcheck", parents=common,
+                           help="every fast path against its reference on this machine, speeds and a short decode; "
+                                "a PASS/FAIL table and a summary line for bug reports")
+    check.add_argument("--device", choices=DEVICES, default="auto",
+                       help="the device to check; auto picks mps, then cuda, then cpu (default: auto)")
+    check.add_argument("--json", dest="json_path", default=None, metavar="FILE",
+                       help="also write every check and the system details to this JSON file (default: none)")
+    check.add_argument("--quick", action="store_true",
+                       help="small sizes, no compile and no real-size preset: seconds instead of a minute or two "
+                            "(default: the full check)")
+    check.add_argument("--seed", type=int, default=None,
+                       help="seed of the random inputs, to replay a failure (default: a fresh one, printed)")
 
-    info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled")
-    info.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
+    info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled",
+                          parents=common)
+    info.add_argument("--device", choices=DEVICES, default="auto", help="the device to probe (default: auto)")
     info.add_argument("--compile-probes", action="store_true",
-                      help="also compile and check the compiled-only paths (flex decode attention)")
+                      help="also compile and check the compiled-only paths (flex decode attention); takes seconds "
+                           "to a minute (default: off)")
     return parser
 
 
@@ -130,14 +184,20 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print("fast paths:")
     for line in capabilities(device).describe():
-        print(f"  {line}")
+        print(readable(f"  {line}"))
     if args.compile_probes:  # these compile on the device, so they take seconds to a minute
         from server.engine.device import select_dtype
         from server.kernels.flex_decode import probe_compiled
 
         ok, why = probe_compiled(str(device), select_dtype("auto", device, None), 16)
-        print(f"  {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}")
+        print(readable(f"    {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}"))
     return 0
+
+
+def readable(line: str, width: int = 110) -> str:
+    """A probe line with a long reason wrapped under the reason's column, never cut."""
+    indent = " " * (len(line) - len(line.lstrip()) + 28)  # past "name (22) yes/no (4)"
+    return textwrap.fill(line, width, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -153,6 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "allowed_origins": origins,
         "log_level": args.log_level,
         "warmup": False if args.no_warmup else None,
+        "shutdown_grace_s": args.shutdown_grace,
     }
     config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
 
@@ -175,6 +236,12 @@ def freeze_startup_objects() -> None:
     log.info("start-up objects frozen for the garbage collector: %d", gc.get_freeze_count())
 
 
+def cmd_selfcheck(args: argparse.Namespace) -> int:
+    from server.selfcheck.run import cmd_selfcheck as run_selfcheck
+
+    return run_selfcheck(args)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from server.bench.run import cmd_bench as run_bench
 
@@ -188,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     # inputs of a graph, such as the SDPA backend flags that paged_attention.prefill_sdpa_backends sets.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench,
+                "selfcheck": cmd_selfcheck}
     try:
         return handlers[args.command](args)
     except (ValueError, EngineError) as exc:  # configuration and request errors carry a message that says what to fix

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from server.api.errors import install_error_handlers
-from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware
+from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.routes import router
 from server.api.state import ServingState
 from server.config import ServerConfig
@@ -42,7 +42,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     # add_middleware puts each new one outermost: auth, then CORS around it (so 401s carry CORS headers
-    # and preflights pass), then status counting around everything.
+    # and preflights pass), then status counting, then the unversioned paths' rewrite around everything.
     if server_config.api_key:
         app.add_middleware(AuthMiddleware, api_key=server_config.api_key)
     if server_config.allowed_origins:
@@ -54,6 +54,7 @@ def create_app(
             expose_headers=["Retry-After"],
         )
     app.add_middleware(StatusMetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(UnversionedPathMiddleware)
     return app
 
 

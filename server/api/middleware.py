@@ -1,4 +1,5 @@
-"""Pure-ASGI middleware: API-key check and per-status request counting (streams stay unbuffered)."""
+"""Pure-ASGI middleware: unversioned paths, API-key check and per-status request counting (streams stay
+unbuffered)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,24 @@ from server.api.errors import APIError
 from server.api.metrics import Metrics
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+# Clients configured with the server's root as their base URL (no /v1) send these paths.
+UNVERSIONED = ("/chat/completions", "/completions", "/models")
+
+
+class UnversionedPathMiddleware:
+    """Serves `/chat/completions`, `/completions`, `/models` and `/models/{id}` as their /v1 routes, before any
+    other middleware sees the path: the API key and the metrics apply to them as to /v1."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and any(path == p or path.startswith(p + "/") for p in UNVERSIONED):
+            scope = dict(scope, path="/v1" + path, raw_path=b"/v1" + scope.get("raw_path", path.encode()))
+        await self.app(scope, receive, send)
 
 
 class AuthMiddleware:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ DEFAULT_PROMPT_LEN = 128
 DEFAULT_DECODE_TOKENS = 128
 QUANTIZATIONS = ("none", "fp8")
 GRAPH_MODES = {"on": True, "off": False}
+COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # copy-bandwidth buffer per device type, past any cache
+COMPARE_INSTALL = "pip install 'mps-serve[compare]'"  # the extra that brings transformers
 
 EPILOG = """\
 Measures through the real Engine: prefill tok/s = B * prompt_len / time(generate 1 token); steady decode
@@ -92,44 +95,49 @@ def engine_option(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+def add_bench_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     bench = subparsers.add_parser(
         "bench",
+        parents=parents,
         help="decode/prefill speed, fraction of the memory-bandwidth roofline, speedup over transformers",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (or use --preset)")
-    bench.add_argument("--preset", default=None, help="server/configs/presets/NAME.toml: real shapes, random weights")
+    bench.add_argument("model", nargs="?", default=None, help="checkpoint directory or Hub repo id (default: none; give MODEL or --preset)")
+    bench.add_argument("--preset", default=None, help="server/configs/presets/NAME.toml or a .toml path: real shapes, random weights (default: none)")
     bench.add_argument("--num-layers", type=int, default=None,
                        help="with --preset: keep only the first N decoder layers (full widths), for per-layer "
                             "figures at a fraction of the compile time (default: all)")
-    bench.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default 1,4,16)")
-    bench.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 128)")
-    bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default 128)")
-    bench.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto")
-    bench.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto")
+    bench.add_argument("--batch-sizes", type=_int_list, default=None, help="comma-separated (default: the preset's, else 1,4,16)")
+    bench.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default: the preset's, else 128)")
+    bench.add_argument("--decode-tokens", type=int, default=None, help="new tokens per sequence (default: the preset's, else 128)")
+    bench.add_argument("--device", choices=["auto", "mps", "cuda", "cpu"], default="auto",
+                       help="where the model runs; auto picks mps, then cuda, then cpu (default: auto)")
+    bench.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                       help="auto: the checkpoint's on an accelerator, float32 on the cpu (default: auto)")
     bench.add_argument("--quantize", type=_quantize_list, default=("none",),
-                       help="none, fp8, or both as none,fp8 (measured in turn, side by side with one peer)")
+                       help="none, fp8, or both as none,fp8 (measured in turn, side by side with one peer) (default: none)")
     graphs = bench.add_mutually_exclusive_group()
     graphs.add_argument("--graphs", type=_graph_modes, default=(None,), metavar="on|off|on,off",
                         help="our decode steps with CUDA graphs, without (the Mac-like mode: each kernel launched "
                              "from the host), or both measured in turn, side by side (default: the config's, on "
                              "where the compiled decode step runs on CUDA)")
     graphs.add_argument("--no-graphs", dest="graphs", action="store_const", const=(False,),
-                        help="the same as --graphs off")
-    bench.add_argument("--json", dest="json_path", default=None, help="append one JSON object per batch size")
-    bench.add_argument("--compare", choices=["transformers"], default=None)
+                        help="the same as --graphs off (default: graphs as --graphs says)")
+    bench.add_argument("--json", dest="json_path", default=None, help="append one JSON object per batch size to this file (default: none)")
+    bench.add_argument("--compare", choices=["transformers"], default=None,
+                       help=f"also measure transformers on the same weights; needs {COMPARE_INSTALL} (default: none)")
     bench.add_argument("--peer-experts", choices=["keep-grouped", "transformers-default", "best"],
                        default="keep-grouped",
                        help="MoE peer on GPUs: keep grouped_mm experts in decode (its fastest compiled form where "
-                            "measured), transformers' own switch to batched_mm, or measure both and keep the best")
-    bench.add_argument("--reps", type=int, default=3, help="timed repetitions per length; the minimum is kept")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
-    bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer")
-    bench.add_argument("--config", dest="config_file", default=None, help="TOML with an [engine] table")
+                            "measured), transformers' own switch to batched_mm, or measure both and keep the best (default: keep-grouped)")
+    bench.add_argument("--reps", type=int, default=3, help="timed repetitions per length; the minimum is kept (default: 3)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default: 0)")
+    bench.add_argument("--copy-mib", type=int, default=None, help="size of the copy-bandwidth buffer in MiB (default: "
+                            + ", ".join(f"{mib} on {kind}" for kind, mib in COPY_MIB.items()) + ")")
+    bench.add_argument("--config", dest="config_file", default=None, help="TOML with an [engine] table (default: none)")
     bench.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
-                       help="EngineConfig field override, e.g. compile=off (repeatable)")
+                       help="EngineConfig field override, e.g. compile=off (repeatable; default: none)")
     return bench
 
 
@@ -141,6 +149,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
             "bench needs a MODEL (checkpoint directory or Hub repo id) or --preset NAME, not both; presets: "
             + ", ".join(available_presets())
         )
+    if args.compare == "transformers" and importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"--compare transformers needs the transformers package, which is not installed: "
+                         f"{COMPARE_INSTALL}")
     if args.reps < 1:
         raise ValueError(f"--reps must be at least 1, got {args.reps}")
     if args.graphs != (None,) and any(key == "cuda_graphs" for key, _ in args.engine_option):

@@ -19,14 +19,19 @@ import torch
 from tqdm import tqdm
 
 from server.bench import measure, report
-from server.bench.options import DEFAULT_BATCH_SIZES, DEFAULT_DECODE_TOKENS, DEFAULT_PROMPT_LEN, BenchOptions
+from server.bench.options import (
+    COPY_MIB,
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_DECODE_TOKENS,
+    DEFAULT_PROMPT_LEN,
+    BenchOptions,
+)
 from server.bench.presets import load_preset, with_num_layers
 from server.config import EngineConfig, load_config
 from server.engine import device as device_mod
 
 log = logging.getLogger(__name__)
 
-COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # per buffer (the reference copied 4 GiB -> 4 GiB)
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from server.config import EngineConfig
-from server.engine.background_compile import BackgroundCompile
+from server.engine.background_compile import BackgroundCompile, describe_failure
 from server.engine.build import EngineParts, build_parts, load_pretrained
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
@@ -38,6 +38,7 @@ from server.engine.types import (
 )
 from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
 from server.engine.weights import persistent_tensors
+from server.kernels.capabilities import REPORT_HINT
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,8 @@ class Engine:
         self._warmed_up = False
         self._background: BackgroundCompile | None = None
         self._compiled_runner: ModelRunner | None = None  # built beside serving, in use once ready
+        self._warming_up = False  # warm_up's runs: a compile failure is raised to its caller
+        self._compile_failed = False  # the lazily compiled step failed: eager from then on
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -89,6 +92,8 @@ class Engine:
     @property
     def compile_state(self) -> str:
         """One of types.COMPILE_STATES."""
+        if self._compile_failed:
+            return "failed"
         if self._background is not None:
             return self._background.state
         if self.runner.decode_graphs is None and not self.compile_prefill:
@@ -179,12 +184,30 @@ class Engine:
             out.chunks = [c for c in out.chunks if not c.request.is_finished]
         launched = None
         if out.chunks:
-            launched = self.runner.launch(out, self._in_flight)
+            launched = self._launch(out)
             self.scheduler.on_launched(out)
         if self._in_flight is not None:
             deltas += self._complete(self._in_flight)
         self._in_flight = launched
         return deltas
+
+    def _launch(self, out: SchedulerOutput):
+        """runner.launch; a compiled step that fails to compile here (dynamo or inductor raising before the
+        step runs: its first use, or a shape the warm-up did not cover) moves the engine to the eager runner for
+        good, with one warning, and the step runs there. The warm-up re-raises instead: its caller (the
+        background compile, or whoever asked for it) reports the failure."""
+        try:
+            return self.runner.launch(out, self._in_flight)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if self._warming_up or (self.runner.decode_graphs is None and not self.compile_prefill):
+                raise
+            log.warning("compiling the decode step failed on %s (%s); this engine runs eagerly from now on, which "
+                        "is slower. %s.", self.device, describe_failure(exc), REPORT_HINT)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+            self.compile_prefill = False
+            self._compile_failed = True
+            self._compiled_runner = None  # a background compile's runner too: never moved to again
+            return self.runner.launch(out, self._in_flight)
 
     @staticmethod
     def _needs_known_tokens(out: SchedulerOutput) -> bool:
@@ -257,8 +280,12 @@ class Engine:
         runs = warm_up_runs(graphs.batch_sizes if graphs is not None else None, self.compile_prefill,
                             self.state_cache is not None, self.vocab_size, self.config.max_num_batched_tokens,
                             self.max_model_len)
-        for prompts in runs:
-            self.run_to_completion([self.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
+        self._warming_up = True
+        try:
+            for prompts in runs:
+                self.run_to_completion([self.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
+        finally:
+            self._warming_up = False
         # Every decode bucket whose KV gather (batch x blocks, one layer at a time) is no larger than the cache's
         # usable blocks: a bounded share of memory, where capturing every bucket up to 128k context would not be.
         num_shapes = graphs.prepare_shapes(self.kv_manager.num_usable_blocks) if graphs is not None else 0

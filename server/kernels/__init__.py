@@ -2,6 +2,7 @@
 
 Modules (import them directly; each fast op has a same-signature twin named `*_reference` beside it):
 - capabilities: `capabilities(device)` probes once per process which fast paths work here, with reasons.
+  `with_fallback` runs a fast path, or its reference once the fast one has raised here (one warning).
 - compat: public `F.*` vs private `torch._*` spellings of scaled_mm / grouped_mm / scaled_grouped_mm;
   `synchronize(device)`.
 - fp8: `quantize_fp8_rowwise`, `quantize_activation`, `fp8_linear`, `Fp8Linear`, `blockwise_to_rowwise`.

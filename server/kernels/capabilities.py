@@ -2,21 +2,30 @@
 
 A version number alone cannot say whether e.g. row-wise `scaled_mm` has a kernel for this device (CPU has one from
 2.13, MPS from 2.15), so every entry is probed once per process per device and keeps the reason when it fails.
+
+A probe runs tiny shapes; a real shape can still fail where the probe passed. Each fast path therefore runs
+through `with_fallback`: the first time it raises on a device, one warning names it and how to report it, and
+that call and every later one (in this process, on that device) take the reference path instead.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import TypeVar
 
 import torch
 
 from server.kernels import compat
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+REPORT_HINT = "Please report it on the mps-serve issue tracker with the output of `mps-serve selfcheck`"
 _MAX_REL_ERR = 3e-2  # fp8 / bf16 outputs against an fp32 product of the same (dequantized) operands
 
 
@@ -41,6 +50,8 @@ class Capabilities:
     fp8_grouped: Probe  # scaled_grouped_mm row-wise
     streams: Probe  # a side stream + event for non-blocking device-to-host copies
     compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
+    # fast path name -> why it failed at run time: from then on its reference path runs (see with_fallback)
+    runtime_failures: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def grouped_mm(self, dtype: torch.dtype, tracing: bool = False) -> bool:
         """Whether grouped_mm runs for dtype; with tracing, also under torch.compile."""
@@ -52,10 +63,10 @@ class Capabilities:
 
     def describe(self) -> list[str]:
         lines = [f"device {self.device}, torch {self.torch_version}"]
-        for field in fields(self):
-            value = getattr(self, field.name)
+        for entry in fields(self):
+            value = getattr(self, entry.name)
             if isinstance(value, Probe):
-                lines.append(f"  {field.name:<22} {'yes' if value.ok else 'no ':<4} {value.reason}")
+                lines.append(f"  {entry.name:<22} {'yes' if value.ok else 'no ':<4} {value.reason}")
         return lines
 
 
@@ -95,8 +106,18 @@ def _run(check: Callable[[], str]) -> Probe:
     try:
         return Probe(True, check())
     except Exception as exc:  # any failure of an optional fast path means "use the fallback"
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return Probe(False, f"{type(exc).__name__}: {message[:160]}")
+        return Probe(False, failure_reason(exc))
+
+
+def failure_reason(exc: BaseException, max_len: int = 320) -> str:
+    """The exception's type and the first line of its text, cut at a sentence end when long (torch's
+    dispatcher errors go on to list every backend)."""
+    text = str(exc).strip()
+    message = text.splitlines()[0] if text else ""
+    if len(message) > max_len:
+        end = message.rfind(". ", 0, max_len)
+        message = message[: end + 1] if end > 0 else message[:max_len] + " ..."
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _rand(*shape: int, device: torch.device, seed: int) -> torch.Tensor:
@@ -239,3 +260,32 @@ def fp8_grouped_ok(device: torch.device) -> bool:
 def fp8_rowwise_ok(device: torch.device, with_bias: bool) -> bool:
     caps = capabilities(device)
     return caps.fp8_rowwise_bias.ok if with_bias else caps.fp8_rowwise.ok
+
+
+@torch.compiler.assume_constant_result
+def fast_path_failed(device: torch.device, name: str) -> bool:
+    return name in capabilities(device).runtime_failures
+
+
+def with_fallback(device: torch.device, name: str, fast: Callable[[], T], reference: Callable[[], T]) -> T:
+    """fast(), or reference() once fast has raised on this device. Traced code calls fast() as is: a failure
+    there fails the compile, and the engine then stays on its eager path, which comes back here."""
+    if fast_path_failed(device, name):
+        return reference()
+    if torch.compiler.is_compiling():
+        return fast()
+    try:
+        return fast()
+    except Exception as exc:  # noqa: BLE001 - any failure of a fast path: the reference path answers instead
+        record_failure(device, name, exc)
+        return reference()
+
+
+def record_failure(device: torch.device | str, name: str, exc: BaseException) -> None:
+    """Switch `name` to its reference path on this device, with one warning (the first failure only)."""
+    failures = capabilities(device).runtime_failures
+    if name in failures:
+        return
+    failures[name] = failure_reason(exc)
+    log.warning("the %s fast path failed on %s (%s); its reference path runs from now on (same results, slower). "
+                "The probe passed it, so this is a bug. %s.", name, _normalize(device), failures[name], REPORT_HINT)

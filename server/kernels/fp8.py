@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from server.kernels import compat
-from server.kernels.capabilities import fp8_rowwise_ok
+from server.kernels.capabilities import fast_path_failed, fp8_rowwise_ok, with_fallback
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -53,12 +53,19 @@ def fp8_linear(
 ) -> torch.Tensor:
     """(x_fp8 * x_scale) @ (w_fp8 * w_scale).T + bias -> [M, N] in out_dtype."""
     device = x_fp8.device
-    if fp8_rowwise_ok(device, bias is not None):
-        return compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), bias, out_dtype)
-    if bias is not None and fp8_rowwise_ok(device, False):
-        out = compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), None, out_dtype)
-        return out + bias
-    return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+    def scaled_mm(fused_bias: torch.Tensor | None) -> torch.Tensor:
+        return compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), fused_bias, out_dtype)
+
+    def reference() -> torch.Tensor:
+        return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
+
+    if bias is not None and fp8_rowwise_ok(device, True) and not fast_path_failed(device, "fp8_rowwise_bias"):
+        return with_fallback(device, "fp8_rowwise_bias", lambda: scaled_mm(bias), reference)
+    if fp8_rowwise_ok(device, False):
+        unfused = (lambda: scaled_mm(None)) if bias is None else (lambda: scaled_mm(None) + bias)
+        return with_fallback(device, "fp8_rowwise", unfused, reference)
+    return reference()
 
 
 def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):

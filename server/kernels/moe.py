@@ -13,8 +13,9 @@ after `down`, as Hugging Face does.
 
 moe_experts picks, in order: inside torch.compile with few slots (T*k*4 <= E) and not on MPS, the gather-reduce
 path (it reads each chosen expert once, where grouped_mm pays for sorting and grouping a handful of slots);
-grouped_mm where the probe says it runs for this dtype (and, when tracing, that its shape function accepts it);
-else gather + bmm (T*k <= E) or every token through every expert. All are sync-free.
+grouped_mm where the probe says it runs for this dtype (and, when tracing, that its shape function accepts it)
+and it has not failed on this device (capabilities.with_fallback); else gather + bmm (T*k <= E) or every token
+through every expert. All are sync-free.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from server.kernels import compat
-from server.kernels.capabilities import grouped_mm_ok
+from server.kernels.capabilities import grouped_mm_ok, with_fallback
 
 
 def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +74,14 @@ def moe_experts(
     if use_gather_reduce(x.device, num_slots, num_experts):
         return _experts_gather_reduce(x, weights, expert_ids, gate_up, down)
     if grouped_mm_ok(x.device, x.dtype, torch.compiler.is_compiling()):
-        return _experts_grouped(x, weights, expert_ids, gate_up, down)
-    if num_slots <= num_experts:
+        return with_fallback(x.device, "grouped_mm", lambda: _experts_grouped(x, weights, expert_ids, gate_up, down),
+                             lambda: _experts_ungrouped(x, weights, expert_ids, gate_up, down))
+    return _experts_ungrouped(x, weights, expert_ids, gate_up, down)
+
+
+def _experts_ungrouped(x, weights, expert_ids, gate_up, down):
+    """Without grouped_mm: copy the chosen experts when there are few slots, else run every expert."""
+    if expert_ids.numel() <= gate_up.shape[0]:
         return _experts_gather_bmm(x, weights, expert_ids, gate_up, down)
     return _experts_dense(x, weights, expert_ids, gate_up, down)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from server.kernels import compat
-from server.kernels.capabilities import fp8_grouped_ok
+from server.kernels.capabilities import fp8_grouped_ok, with_fallback
 from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
 from server.kernels.moe import (
     combine_slots,
@@ -37,8 +37,15 @@ def moe_experts_fp8(
     """Same function as moe.moe_experts with gate_up = gate_up_q * scale[..., None], down likewise -> [T, H]."""
     if use_gather_reduce(x.device, expert_ids.numel(), gate_up_q.shape[0]):
         return _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
+    quantized = (gate_up_q, gate_up_scale, down_q, down_scale)
     if fp8_grouped_ok(x.device):
-        return _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
+        return with_fallback(x.device, "fp8_grouped", lambda: _experts_scaled_grouped(x, weights, expert_ids, *quantized),
+                             lambda: _experts_dequantized(x, weights, expert_ids, *quantized))
+    return _experts_dequantized(x, weights, expert_ids, *quantized)
+
+
+def _experts_dequantized(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+    """Without an FP8 grouped kernel: the chosen experts dequantized (few slots), else all of them."""
     if expert_ids.numel() <= gate_up_q.shape[0]:
         return _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     gate_up = dequantize_experts(gate_up_q, gate_up_scale, x.dtype)

@@ -2,14 +2,15 @@
 
 The engine launches step N+1 while step N's sampled ids travel to the host: the copy runs on a side stream,
 into pinned memory where the device is CUDA, and an event marks its end. On CPU (or when the probe finds no
-usable streams) the copy is made inline and `wait()` returns at once.
+usable streams, or they fail later: capabilities.with_fallback) the copy is made inline and `wait()` returns
+at once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from server.kernels.capabilities import capabilities
+from server.kernels.capabilities import capabilities, with_fallback
 
 
 class PendingCopy:
@@ -28,14 +29,20 @@ class PendingCopy:
         return self._host
 
 
+def _inline_copy(tensor: torch.Tensor) -> PendingCopy:
+    """A synchronous copy: the host waits for the device here."""
+    return PendingCopy(tensor.detach().to("cpu", copy=True))
+
+
 class DeviceStreams:
     """One side stream per engine for non-blocking copies to the host (torch.cuda / torch.mps, nothing on CPU)."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
-        self.enabled = capabilities(self.device).streams.ok
-        self._module = getattr(torch, self.device.type) if self.enabled else None
-        self._stream = self._new_stream() if self.enabled else None
+        probed = capabilities(self.device).streams.ok
+        self._module = getattr(torch, self.device.type) if probed else None
+        self._stream = with_fallback(self.device, "streams", self._new_stream, lambda: None) if probed else None
+        self.enabled = self._stream is not None
 
     def _new_stream(self):
         if self.device.type == "cuda":
@@ -45,7 +52,11 @@ class DeviceStreams:
     def copy_to_host(self, tensor: torch.Tensor) -> PendingCopy:
         """Start copying `tensor` (already queued on the current stream) to the host; returns at once."""
         if not self.enabled or tensor.device.type == "cpu":
-            return PendingCopy(tensor.detach().to("cpu", copy=True))
+            return _inline_copy(tensor)
+        return with_fallback(self.device, "streams", lambda: self._side_stream_copy(tensor),
+                             lambda: _inline_copy(tensor))
+
+    def _side_stream_copy(self, tensor: torch.Tensor) -> PendingCopy:
         module = self._module
         self._stream.wait_stream(module.current_stream())  # the copy must follow the kernels that wrote `tensor`
         with module.stream(self._stream):

@@ -3,13 +3,20 @@ factory in process."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import os
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
+
+import pytest
 
 from server import cli
+from server.bench.options import options_from_args
+from server.kernels.capabilities import failure_reason
 
 
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -17,8 +24,8 @@ def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "server", *args], env=env, capture_output=True, text=True, timeout=180)
 
 
-def test_generate_demo_with_no_network(tmp_path):
-    done = run_cli("generate", "demo", "--prompt", "hi", "--max-tokens", "5", "--chat", "--device", "cpu", tmp_path=tmp_path)
+def test_generate_defaults_to_the_demo_with_no_network(tmp_path):
+    done = run_cli("generate", "--prompt", "hi", "--max-tokens", "5", "--chat", "--device", "cpu", tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "generated" in done.stderr and "finish_reason=" in done.stderr
     assert (tmp_path / "demo-v1" / "model.safetensors").is_file()
@@ -65,3 +72,65 @@ def test_serve_freezes_what_start_up_left_for_the_gc(tmp_path, monkeypatch):
     monkeypatch.setattr("server.api.server.run_server", run_server)
     assert cli.main(["--log-level", "warning", "serve", "demo", "--device", "cpu"]) == 0
     assert frozen["engine"] > 10_000  # the model, tokenizer and engine objects, at least
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "info", "selfcheck"])
+def test_every_flag_says_what_it_does_and_its_default(command):
+    parser = _subparsers(cli.build_parser())[command]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help, f"{command} {name} has no help text"
+        assert "default" in action.help or action.required, f"{command} {name}: help does not give the default"
+
+
+@pytest.mark.parametrize("command", [["info"], ["generate", "--prompt", "hi"], ["serve"],
+                                     ["bench", "--preset", "tiny-moe"], ["selfcheck"]])
+def test_log_level_is_accepted_before_and_after_the_command(command):
+    parser = cli.build_parser()
+    assert parser.parse_args(command).log_level == "info"
+    assert parser.parse_args(["--log-level", "warning", *command]).log_level == "warning"
+    assert parser.parse_args([*command, "--log-level", "debug"]).log_level == "debug"
+    assert parser.parse_args(["--log-level", "error", *command, "--log-level", "debug"]).log_level == "debug"
+
+
+def test_compare_without_transformers_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # find_spec then answers "not installed"
+    args = cli.build_parser().parse_args(["bench", "--preset", "tiny-moe", "--compare", "transformers"])
+    with pytest.raises(ValueError, match=r"pip install 'mps-serve\[compare\]'"):
+        options_from_args(args)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert any(dep.startswith("transformers") for dep in pyproject["project"]["optional-dependencies"]["compare"])
+
+
+def test_shutdown_grace_reaches_the_server_config(monkeypatch):
+    seen = {}
+
+    def run_server(config, engine_factory):
+        seen["grace"] = config.server.shutdown_grace_s
+        return 0
+
+    monkeypatch.setattr("server.api.server.run_server", run_server)
+    assert cli.main(["serve", "--shutdown-grace", "2.5"]) == 0
+    assert seen["grace"] == 2.5
+    assert cli.main(["serve"]) == 0 and seen["grace"] == 30.0
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--shutdown-grace", "-1"])
+
+
+def test_probe_reasons_are_whole_sentences_and_wrap_without_cuts():
+    long = "The op is missing here. " * 30 + "Backends: [CPU, CUDA]"
+    reason = failure_reason(NotImplementedError(long + "\nsecond line"))
+    assert reason.startswith("NotImplementedError: The op is missing here.") and reason.endswith("here.")
+    assert "second line" not in reason and len(reason) < 360
+    assert failure_reason(RuntimeError("short")) == "RuntimeError: short"
+    line = "    fp8_grouped            no   " + reason
+    wrapped = cli.readable(line).splitlines()
+    assert len(wrapped) > 1 and all(len(row) <= 110 for row in wrapped)
+    assert " ".join(wrapped).split() == line.split()  # every word kept, none cut

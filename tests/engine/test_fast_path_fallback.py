@@ -1,0 +1,135 @@
+"""The engine on a fast path that fails at run time: one warning, and the same greedy tokens as an engine that
+takes the reference path from the start."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from server.engine.types import SamplingParams
+from server.kernels import compat, fp8, moe, moe_fp8, streams
+from server.kernels.capabilities import Probe, capabilities
+from tests.helpers import make_engine, random_ids
+
+CPU = torch.device("cpu")
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [random_ids(n, n) for n in (5, 11)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_failures():
+    failures = capabilities(CPU).runtime_failures
+    failures.clear()
+    yield
+    failures.clear()
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError("no kernel for this shape on this device")
+
+
+def _tokens(path, **kw) -> list[list[int]]:
+    return [out.token_ids for out in make_engine(path, **kw).generate(PROMPTS, PARAMS)]
+
+
+def _reference_off(monkeypatch, name: str):
+    """Make the probe answer no for `name`: the engine then takes the reference path from its first step."""
+    if name == "grouped_mm":
+        monkeypatch.setattr(moe, "grouped_mm_ok", lambda *args: False)
+    elif name == "fp8_rowwise":
+        monkeypatch.setattr(fp8, "fp8_rowwise_ok", lambda *args: False)
+
+
+def _break(monkeypatch, name: str):
+    if name == "grouped_mm":
+        monkeypatch.setattr(compat, "grouped_mm", broken)
+    elif name == "fp8_rowwise":
+        monkeypatch.setattr(compat, "scaled_mm_rowwise", broken)
+    elif name == "fp8_grouped":  # told it has one, the CPU's scaled_grouped_mm fails for real
+        monkeypatch.setattr(moe_fp8, "fp8_grouped_ok", lambda device: True)
+    elif name == "streams":
+        probed = dataclasses.replace(capabilities(CPU), streams=Probe(True, "told so by the test"))
+        monkeypatch.setattr(streams, "capabilities", lambda device: probed)
+        monkeypatch.setattr(torch.cpu, "Stream", broken)
+
+
+@pytest.mark.parametrize("name, arch, quantization", [
+    ("grouped_mm", "qwen3_moe", None),
+    ("fp8_rowwise", "llama", "fp8"),
+    ("fp8_grouped", "qwen3_moe", "fp8"),
+    ("streams", "qwen3", None),
+])
+def test_a_failing_fast_path_gives_the_reference_tokens_with_one_warning(tiny_checkpoint, monkeypatch, caplog, name,
+                                                                          arch, quantization):
+    path, _ = tiny_checkpoint(arch)
+    with monkeypatch.context() as patch:
+        _reference_off(patch, name)
+        expected = _tokens(path, quantization=quantization)
+    _break(monkeypatch, name)
+    with caplog.at_level(logging.WARNING):
+        got = _tokens(path, quantization=quantization)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and f"the {name} fast path failed on cpu" in warnings[0], warnings
+    assert "mps-serve selfcheck" in warnings[0]
+    assert got == expected
+    assert list(capabilities(CPU).runtime_failures) == [name]
+
+
+def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
+    """Without the background compile (the Python API, `generate`, `serve --no-warmup`), the compiled step is
+    built at its first use: a failure there moves the engine to the eager path instead of failing the request.
+    The warm-up still raises, for its caller to report."""
+    import torch._inductor.compile_fx
+
+    path, _ = tiny_checkpoint("qwen3")
+    expected = _tokens(path, compile="off")
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", broken)
+    engine = make_engine(path, compile="on")
+    assert engine.compile_state == "lazy"
+    with caplog.at_level(logging.WARNING):
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiling the decode step failed on cpu" in warnings[0], warnings
+    assert "no kernel for this shape on this device" in warnings[0] and "mps-serve selfcheck" in warnings[0]
+    assert got == expected
+    assert engine.compile_state == "failed" and engine.runner.decode_graphs is None
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        make_engine(path, compile="on").warm_up()
+
+
+def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
+    """The compiled steps were ready, then a shape they had not seen fails to compile: eager for good, one
+    warning, and the engine never moves back to the compiled runner."""
+    from server.engine.engine import Engine
+
+    path, _ = tiny_checkpoint("qwen3")
+    expected = _tokens(path, compile="off")
+    engine = make_engine(path, compile="on", max_num_seqs=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "warm_up", lambda self: 0.0)  # "ready" at once; nothing is compiled in this test
+        assert engine.compile_in_background().join(60) and engine.compile_state == "ready"
+    monkeypatch.setattr(type(engine.runner), "launch", broken_launch := _raising_launch(type(engine.runner).launch))
+    with caplog.at_level(logging.WARNING):
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiling the decode step failed" in warnings[0], warnings
+    assert got == expected and engine.compile_state == "failed" and engine.runner.decode_graphs is None
+    assert broken_launch.calls == 1
+
+
+def _raising_launch(launch):
+    """ModelRunner.launch that raises a compile failure on the compiled runner, and runs the eager one."""
+
+    def patched(runner, out, prev=None):
+        if runner.decode_graphs is None:
+            return launch(runner, out, prev)
+        patched.calls += 1
+        raise torch._dynamo.exc.TorchDynamoException("no kernel for this shape")
+
+    patched.calls = 0
+    return patched
