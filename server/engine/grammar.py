@@ -41,7 +41,8 @@ class GrammarMatcher:
         """Take the sampled token; True once the output is complete (or the matcher refused it: nothing more
         can be generated inside the grammar either way)."""
         if not self._matcher.consume_token(token_id):
-            log.warning("structured output: token %d refused by the grammar: %s", token_id, self._matcher.get_error())
+            log.warning("structured output: token %d refused by the grammar: %s", token_id,
+                        _first_line(self._matcher.get_error()))
             return True
         return self._matcher.is_stopped()
 
