@@ -5,8 +5,9 @@ anything else (or nothing) selects it and never triggers a Hub lookup (mlx-lm#11
 name (--served-model-name, else the MODEL argument), and /v1/models lists it first, then the aliases.
 
 Tools: tool calls are parsed from the output only when tools reach the template. tool_choice "none" renders no
-tools; a named function renders only that tool; "required" is accepted but not enforced (no constrained
-decoding). Reasoning (`<think>`) is split out of chat output only; /v1/completions returns the raw text.
+tools; a named function renders only that tool. "required", a named function and response_format are enforced
+by a grammar (api.structured). Reasoning (`<think>`) is split out of chat output only; /v1/completions returns
+the raw text.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.sse import SSEResponse, run_until_disconnect
 from server.api.state import ServingState
 from server.api.streaming import ResponseContext, collect_chat, collect_completion, stream_chat, stream_completion
+from server.api.structured import chat_constraint, response_format_output
 from server.engine.protocol import ServingEngine
 from server.engine.types import ContextLengthExceededError, InvalidRequestError, SamplingParams
 
@@ -161,6 +163,7 @@ async def chat_completions(request: Request) -> Response:
                                     **template_kwargs)
     except Exception as exc:
         raise from_engine_error(exc, about_input=True) from None
+    params.structured = chat_constraint(req, tools, prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     generation = await _start(
         state, engine, [prompt], params, n=req.n, request_id=request_id, started_at=started_at,
@@ -184,6 +187,8 @@ async def completions(request: Request) -> Response:
     prompts = req.prompts()
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     _validate(params)
+    if req.response_format is not None:
+        params.structured = response_format_output(req.response_format)
     echo_prompts: list[str] = []
     if req.echo:
         if not all(isinstance(p, str) for p in prompts):

@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI requests this server accepts, and their mapping to SamplingParams.
 
-Unknown fields are ignored (editors send `prompt_cache_key`, `reasoning_effort`, `parallel_tool_calls`, ...).
+Unknown fields are ignored (editors send `prompt_cache_key`, `reasoning_effort`, ...).
 Extras beyond OpenAI's fields follow vLLM's names: top_k, min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, chat_template_kwargs.
 """
@@ -69,8 +69,17 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
+class JsonSchemaFormat(_Lenient):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Lenient):
     type: str = "text"
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingRequest(_Lenient):
@@ -95,6 +104,7 @@ class _SamplingRequest(_Lenient):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -128,7 +138,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
@@ -139,13 +149,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true.", param="top_logprobs")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format of type {self.response_format.type!r} is not supported: this server has no "
-                "constrained decoding. Ask for JSON in the prompt instead.",
-                param="response_format",
-            )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.requested_max_tokens
         return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens, logprobs)

@@ -4,6 +4,13 @@ resolved (`scheduler.on_resolved()`) while the device computes the new one.
 `Engine` is what Python users call (`generate`, `chat`, `score`); `AsyncEngine` drives the same `step()`
 from a background thread for the HTTP server. Wiring and memory sizing are `build`'s, text and logprobs
 `outputs`', the warm-up's runs `warmup`'s.
+
+Structured outputs and the overlap: a constrained row's bitmask depends on the token sampled just before, which
+is still on the device when the next step is launched. So a step with constrained rows is launched in two parts:
+the forward is queued first (its input token fed on the device as always), then the previous step is finished
+on the host (ids read, matchers advanced, text, stop checks) while the device runs that forward, then the rows'
+bitmasks are computed and the sampler queued with them. Unconstrained rows in that batch keep the overlapped
+forward and wait only for the mask work before their sampler; batches without constrained rows are unchanged.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ import torch
 from server.config import EngineConfig
 from server.engine.background_compile import BackgroundCompile, describe_failure
 from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.grammar import Grammars
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
-from server.engine.request import Request
-from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.engine.request import PLACEHOLDER, Request
+from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     ChatPrompt,
@@ -55,6 +63,7 @@ class Engine:
         self.kv_cache, self.state_cache, self.kv_manager = parts.kv_cache, parts.state_cache, parts.kv_manager
         self.scheduler, self.runner, self.compile_prefill = parts.scheduler, parts.runner, parts.compile_prefill
         self.outputs = OutputAssembler(tokenizer, self.scheduler.finish)
+        self.grammars = Grammars(tokenizer, self.vocab_size)
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0
         self._in_flight = None  # the launched step whose sampled ids have not been read yet
@@ -141,6 +150,7 @@ class Engine:
             raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
             raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
+        grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:
             stop_ids |= set(self.tokenizer.eos_token_ids)
@@ -152,6 +162,7 @@ class Engine:
             seed=params.seed if params.seed is not None else secrets.randbits(62),
             stop_token_ids=frozenset(stop_ids),
             max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
+            grammar=grammar,
         )
 
     def add_request(self, request: Request) -> None:
@@ -182,22 +193,44 @@ class Engine:
             deltas += self._complete(self._in_flight)
             self._in_flight = None
             out.chunks = [c for c in out.chunks if not c.request.is_finished]
-        launched = None
+        prev, launched = self._in_flight, None
         if out.chunks:
-            launched = self._launch(out)
-            self.scheduler.on_launched(out)
-        if self._in_flight is not None:
-            deltas += self._complete(self._in_flight)
+            launched, prev_done = self._launch(out, prev, deltas)
+            prev = None if prev_done else prev
+        if prev is not None:
+            deltas += self._complete(prev)
         self._in_flight = launched
         return deltas
 
-    def _launch(self, out: SchedulerOutput):
+    def _launch(self, out: SchedulerOutput, prev, deltas: list[StreamDelta]):
+        """Launch `out` -> (the launched step, whether `prev` was finished meanwhile, its deltas added to
+        `deltas`: a step with constrained rows, see the module docstring)."""
+        if not any(c.request.grammar is not None for c in out.chunks):
+            launched = self._run_launch(out, prev)
+            self.scheduler.on_launched(out)
+            return launched, False
+        finished = []
+
+        def token_bitmask(sample_chunks: list[ScheduledChunk]) -> torch.Tensor:
+            self.scheduler.on_launched(out)
+            if prev is not None:
+                deltas.extend(self._complete(prev))
+            finished.append(prev)
+            live = [None if c.request.is_finished else c.request.grammar for c in sample_chunks]
+            return torch.from_numpy(self.grammars.bitmask(live))
+
+        launched = self._run_launch(out, prev, token_bitmask)
+        if not finished:  # no row sampled in this step
+            self.scheduler.on_launched(out)
+        return launched, bool(finished)
+
+    def _run_launch(self, out: SchedulerOutput, prev, token_bitmask=None):
         """runner.launch; a compiled step that fails to compile here (dynamo or inductor raising before the
         step runs: its first use, or a shape the warm-up did not cover) moves the engine to the eager runner for
         good, with one warning, and the step runs there. The warm-up re-raises instead: its caller (the
         background compile, or whoever asked for it) reports the failure."""
         try:
-            return self.runner.launch(out, self._in_flight)
+            return self.runner.launch(out, prev, token_bitmask)
         except torch._dynamo.exc.TorchDynamoException as exc:
             if self._warming_up or (self.runner.decode_graphs is None and not self.compile_prefill):
                 raise
@@ -207,7 +240,7 @@ class Engine:
             self.compile_prefill = False
             self._compile_failed = True
             self._compiled_runner = None  # a background compile's runner too: never moved to again
-            return self.runner.launch(out, self._in_flight)
+            return self.runner.launch(out, prev, token_bitmask)
 
     @staticmethod
     def _needs_known_tokens(out: SchedulerOutput) -> bool:
@@ -226,10 +259,18 @@ class Engine:
             self._score_logits.setdefault(request_id, []).append(logits)
         sampled = {rid: tok.token_id for rid, tok in result.sampled.items()}
         self._num_generated_tokens += len(sampled)
-        return [
-            self.outputs.on_token(request, result.sampled[request.request_id])
-            for request, _ in self.scheduler.on_resolved(step.out, sampled)
-        ]
+        deltas = []
+        for request, token_id in self.scheduler.on_resolved(step.out, sampled):
+            if request.grammar is not None and not request.is_finished and request.grammar.advance(token_id):
+                self._finish_grammar(request)
+            deltas.append(self.outputs.on_token(request, result.sampled[request.request_id]))
+        return deltas
+
+    def _finish_grammar(self, request: Request) -> None:
+        """The output is complete in its grammar: the request ends ("stop"), the next token in flight is dropped."""
+        while request.token_ids[-1] == PLACEHOLDER:
+            request.token_ids.pop()
+        self.scheduler.finish(request, "stop")
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -112,16 +113,19 @@ class ModelRunner:
         self.streams = DeviceStreams(device)
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
+    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None,
+               token_bitmask: Callable[[list[ScheduledChunk]], torch.Tensor] | None = None) -> InFlightStep:
         """Queue the step's device work and the copy of its sampled ids to the host; returns at once on an
-        accelerator. Tokens still on the device from `prev` are fed by a device-side gather, not a host read."""
+        accelerator. Tokens still on the device from `prev` are fed by a device-side gather, not a host read.
+        `token_bitmask(sample_chunks)`, when given, is called once the forward is queued, before the sampler:
+        the host-side int32 [num_samples, ceil(V / 32)] mask of the tokens each row may sample."""
         chunks = out.chunks
         sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
         step = InFlightStep(out, sample_chunks, {}, None, {}, {})
         rows = [_sampling_row(c.request) for c in sample_chunks]
         if self.decode_graphs is not None and self._is_plain_decode(chunks):
             logits = self._decode(chunks, prev)
-            if sampling.is_plain_greedy(rows):  # the step's in-graph argmax is the sample
+            if token_bitmask is None and sampling.is_plain_greedy(rows):  # the in-graph argmax is the sample
                 step.token_ids = self.decode_graphs.last_token_ids[: len(chunks)]
         else:
             input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
@@ -132,7 +136,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:
             if step.token_ids is None:
-                sampled = self._sample_rows(logits, rows)
+                sampled = self._sample_rows(logits, rows, token_bitmask(sample_chunks) if token_bitmask else None)
                 self._keep_on_device(sampled.token_ids, prev)
             else:
                 sampled = sampling.SamplerOutput(step.token_ids)
@@ -144,8 +148,9 @@ class ModelRunner:
                     step.copies[name] = self.streams.copy_to_host(value)
         return step
 
-    def _sample_rows(self, logits: torch.Tensor, rows: list[sampling.SamplingRow]) -> sampling.SamplerOutput:
-        batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
+    def _sample_rows(self, logits: torch.Tensor, rows: list[sampling.SamplingRow],
+                     token_bitmask: torch.Tensor | None) -> sampling.SamplerOutput:
+        batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask)
         return sampling.sample(logits, batch) if batch.all_greedy else self._sample(logits, batch)
 
     def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from server.engine.types import SamplingParams
 
@@ -35,6 +36,7 @@ class Request:
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # sampled tokens whose step has not resolved yet (PLACEHOLDER in token_ids)
     state_slot: int | None = None  # hybrid models: this sequence's live slot in the state pool
+    grammar: Any = None  # structured outputs: the request's grammar.GrammarMatcher
 
     @property
     def num_tokens(self) -> int:

@@ -6,9 +6,11 @@ scripted fake engine and never pulls torch in by itself.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class EngineError(Exception):
@@ -57,6 +59,34 @@ class FinishReason(str, Enum):
     ABORT = "abort"
 
 
+# JSON as models write it on one line: no whitespace choices to spend tokens on
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def json_rule(schema: dict[str, Any] | None) -> str:
+    """A Lark grammar expression matching JSON valid against `schema` (None: any JSON object)."""
+    body = dict(schema) if schema is not None else {"type": "object"}
+    body["x-guidance"] = JSON_STYLE
+    return "%json " + json.dumps(body, ensure_ascii=False)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text: an llguidance Lark grammar (`start` is its root; JSON schemas embed
+    as `%json {...}`, see json_rule). Rules `markerK` and `upto_markerK` (any text, then the marker) stand for
+    `markers[K]`; the engine spells each as the tokenizer does (one special token, or plain text). `param`
+    names the request field the constraint comes from, in errors."""
+
+    grammar: str
+    markers: tuple[str, ...] = ()
+    param: str = "response_format"
+
+    @classmethod
+    def from_json_schema(cls, schema: dict[str, Any] | None = None, param: str = "response_format") -> StructuredOutput:
+        """The whole output is JSON valid against `schema` (None: any JSON object)."""
+        return cls(f"start: {json_rule(schema)}\n", param=param)
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings. `validate()` raises InvalidRequestError with a fix-it message."""
@@ -76,6 +106,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; 0: the sampled token only; n: also the top n
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # the output follows this grammar; compiled by the engine
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(param: str, msg: str) -> None:

@@ -5,7 +5,7 @@ host-to-device copies plus one per penalty/bias table); `sample` then runs only 
 `.tolist()`, `torch.multinomial`, `nonzero` or boolean-mask indexing, so it can sit inside a captured or compiled
 decode step.
 
-Order: logit_bias -> repetition penalty (prompt and output, HF/vLLM: logit > 0 -> /p else *p) -> presence and
+Order: the grammar's token bitmask (structured outputs: disallowed tokens -> -inf) -> logit_bias -> repetition penalty (prompt and output, HF/vLLM: logit > 0 -> /p else *p) -> presence and
 frequency penalties (output only, OpenAI) -> greedy rows take the argmax here -> temperature -> top-k -> top-p ->
 min-p -> exponential race. Logprobs are log_softmax of the logits after bias and penalties, before temperature and
 the filters (what the model "thinks", as OpenAI reports it).
@@ -66,6 +66,7 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # [B, V] f32 occurrences in the output, when penalties are on
     seen_mask: torch.Tensor | None  # [B, V] bool, prompt or output, when a repetition penalty is on
     logit_bias: torch.Tensor | None  # [B, V] f32, when any row has one
+    token_bitmask: torch.Tensor | None  # [B, ceil(V / 32)] int32, bit t of row b: token t allowed; None: all
     all_greedy: bool
     need_penalties: bool
     need_repetition: bool
@@ -100,7 +101,10 @@ def is_plain_greedy(rows: Sequence[SamplingRow]) -> bool:
 
 
 def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(values, dtype=dtype)
+    return _host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
@@ -115,7 +119,10 @@ def _scatter_table(flat_index: list[int], values: list[float], shape: tuple[int,
     return table.view(shape)
 
 
-def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device) -> SamplingBatch:
+def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device,
+                         token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
+    """`token_bitmask`: int32 [B, ceil(V / 32)] on the host, the tokens each row may sample (all bits set on
+    unconstrained rows); one more host-to-device copy."""
     device = torch.device(device)
     shape = (len(rows), vocab_size)
     greedy = [row.temperature <= 0.0 for row in rows]
@@ -165,6 +172,7 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device) -> Sa
         output_counts=output_counts,
         seen_mask=seen_mask,
         logit_bias=logit_bias,
+        token_bitmask=_host_to_device(token_bitmask, device) if token_bitmask is not None else None,
         all_greedy=all(greedy),
         need_penalties=need_penalties,
         need_repetition=need_repetition,
@@ -175,6 +183,13 @@ def build_sampling_batch(rows: list[SamplingRow], vocab_size: int, device) -> Sa
         max_top_k=max([k for k, g in zip(top_ks, greedy, strict=True) if not g and k < vocab_size], default=vocab_size),
         max_num_logprobs=max(wanted) if wanted else None,
     )
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with the tokens whose bit is clear in `bitmask` [B, ceil(V / 32)] int32 set to -inf."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]  # [B, V]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
@@ -197,6 +212,8 @@ def exponential_noise(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.
 
 
 def apply_bias_and_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask)
     if batch.need_bias:
         logits = logits + batch.logit_bias
     if batch.need_repetition:
@@ -293,6 +310,11 @@ def sample_reference(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutpu
 
 def _reference_process_row(row: torch.Tensor, batch: SamplingBatch, b: int) -> torch.Tensor:
     row = row.clone()
+    if batch.token_bitmask is not None:
+        word = batch.token_bitmask[b].tolist()
+        for token in range(row.shape[0]):
+            if not (word[token // 32] >> (token % 32)) & 1:
+                row[token] = float("-inf")
     if batch.logit_bias is not None:
         row += batch.logit_bias[b]
     if batch.seen_mask is not None:

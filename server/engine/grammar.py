@@ -1,0 +1,124 @@
+"""Structured outputs: one llguidance matcher per constrained request, and the token bitmask of a step. No torch.
+
+A request's `StructuredOutput` is a Lark grammar (JSON schemas embedded as `%json {...}`). It is compiled
+against the model's tokenizer when the request is made, so an invalid or unsupported schema is refused before
+anything runs. The grammar's marker rules (`marker0`, `upto_marker0`, ...) are defined here, from the tokenizer:
+a marker that is one added token (`<tool_call>`, `</think>`) can only be matched as that token, a marker that is
+plain text as its text.
+
+Per step the engine asks for the bitmask of the sampled rows: bit t of row b says whether token t may follow;
+rows without a grammar allow everything. A matcher sees each sampled token once that token reaches the host; it
+is complete when its grammar can take no more text (the request then ends with finish_reason "stop").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.numpy as llguidance_np
+import numpy as np
+
+from server.engine.tokenizer import Tokenizer
+from server.engine.types import InvalidRequestError, StructuredOutput
+
+log = logging.getLogger(__name__)
+
+_MARKER_REF = re.compile(r"\b(upto_)?marker(\d+)\b")
+_LOCATION = re.compile(r"^(at )?\d+\(\d+\):\s*")  # "line(column): " in front of llguidance's reasons
+
+
+class GrammarMatcher:
+    """Where one request's output stands in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher):
+        self._matcher = matcher
+
+    def advance(self, token_id: int) -> bool:
+        """Take the sampled token; True once the output is complete (or the matcher refused it: nothing more
+        can be generated inside the grammar either way)."""
+        if not self._matcher.consume_token(token_id):
+            log.warning("structured output: token %d refused by the grammar: %s", token_id,
+                        _first_line(self._matcher.get_error()))
+            return True
+        return self._matcher.is_stopped()
+
+    @property
+    def is_complete(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+class Grammars:
+    """Compiles requests' grammars against one tokenizer; fills the bitmask of a step."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size if tokenizer is not None else 0)
+        self.num_words = -(-vocab_size // 32)  # int32 words per bitmask row, over the model's logits
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~1 s for a large vocabulary
+        self._executor: llguidance.LLExecutor | None = None
+
+    def compile(self, spec: StructuredOutput) -> GrammarMatcher:
+        """Raises InvalidRequestError naming `spec.param` when the grammar or one of its schemas is refused."""
+        if self._tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine has none", param=spec.param)
+        tokenizer = self._llguidance_tokenizer()
+        grammar = spec.grammar + self._marker_rules(spec.markers, spec.grammar)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise InvalidRequestError(f"{spec.param} cannot be enforced: {_first_line(messages[0])}", param=spec.param)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{spec.param} cannot be enforced: {_first_line(matcher.get_error())}",
+                                      param=spec.param)
+        return GrammarMatcher(matcher)
+
+    def bitmask(self, matchers: Sequence[GrammarMatcher | None]) -> np.ndarray:
+        """int32 [len(matchers), num_words]: the tokens each row may sample next; all bits set on rows without a
+        matcher (or whose matcher is complete: their token is discarded)."""
+        mask = np.full((len(matchers), self.num_words), -1, dtype=np.int32)
+        rows = [(m._matcher, i) for i, m in enumerate(matchers) if m is not None and not m.is_complete]
+        if rows:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            full = np.empty((len(matchers), -(-self.vocab_size // 32)), dtype=np.int32)
+            llguidance_np.fill_next_token_bitmask_par(self._executor, rows, full)
+            for _, i in rows:
+                mask[i] = full[i, : self.num_words]
+        return mask
+
+    def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._ll_tokenizer is None:
+            eos = sorted(self._tokenizer.eos_token_ids)
+            self._ll_tokenizer = llguidance.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                                                        eos_token=eos or None)
+        return self._ll_tokenizer
+
+    def _marker_rules(self, markers: Sequence[str], grammar: str) -> str:
+        """`markerK` matches markers[K]; `upto_markerK` any text, then markers[K] (its first occurrence)."""
+        used = {(bool(m.group(1)), int(m.group(2))) for m in _MARKER_REF.finditer(grammar)}
+        rules = []
+        for index, text in enumerate(markers):
+            token = self._added_token(text)
+            rules.append(f"marker{index}: {f'<[{token}]>' if token is not None else json.dumps(text)}")
+            if (True, index) in used:
+                if token is not None:  # free text cannot contain the token: it ends where the token comes
+                    rules.append(f"upto_marker{index}: /(?s:.*)/ marker{index}")
+                else:
+                    rules.append(f"upto_marker{index}[lazy]: /(?s:.*){re.escape(text).replace('/', chr(92) + '/')}/")
+        return "\n" + "\n".join(rules) + "\n" if rules else ""
+
+    def _added_token(self, text: str) -> int | None:
+        """The id of `text` when it is one added token, which llguidance matches only as that token."""
+        token_id = self._tokenizer.backend.token_to_id(text)
+        if token_id is None or token_id not in self._tokenizer.backend.get_added_tokens_decoder():
+            return None
+        return token_id if self._llguidance_tokenizer().is_special_token(token_id) else None
+
+
+def _first_line(message: str) -> str:
+    """llguidance's messages carry the grammar text after the reason; the reason is what a client can act on."""
+    return _LOCATION.sub("", message.strip().splitlines()[0]).strip()
