@@ -50,7 +50,7 @@ class ResponseContext:
         return ChatOutputParser(start_in_reasoning=self.start_in_reasoning, tools=self.tools)
 
 
-def _abort_error(generation: Generation) -> APIError:
+def abort_error(generation: Generation) -> APIError:
     if generation.server_aborted:
         return APIError(503, "The server is shutting down; the request was stopped.", code="server_shutdown")
     return APIError(500, "The engine stopped this request before it finished.", code="aborted")
@@ -135,7 +135,7 @@ async def _event_stream(
             continue
         choice, delta = item
         if delta.finish_reason == "abort":
-            raise _abort_error(gen)
+            raise abort_error(gen)
         for line in on_delta(choice, delta):
             yield line
     if ctx.include_usage:
@@ -147,7 +147,7 @@ async def _final_deltas(gen: Generation) -> AsyncIterator[tuple[Choice, StreamDe
     async for item in gen.events(None):
         choice, delta = item
         if delta.finish_reason == "abort":
-            raise _abort_error(gen)
+            raise abort_error(gen)
         yield choice, delta
 
 

@@ -129,6 +129,9 @@ class AsyncEngine:
         )
         return ChatPrompt(text)
 
+    def count_tokens(self, prompt: str) -> int:
+        return len(self.engine.encode_prompt(prompt))
+
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
         num_waiting = self._stats.num_waiting + self._num_pending

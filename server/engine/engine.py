@@ -124,9 +124,7 @@ class Engine:
         """Tokenize and validate; raises InvalidRequestError / ContextLengthExceededError."""
         params.validate(self.vocab_size)
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
+            prompt_ids = self.encode_prompt(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
             bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
@@ -148,6 +146,12 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
         )
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt; a ChatPrompt already holds its special tokens, so none are added."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)  # first: it refuses an id in use before that request's text is touched

@@ -32,6 +32,7 @@ class Script:
     gate: threading.Event | None = None  # the first piece waits until it is set
     error_after: int | None = None  # raise after this many pieces
     finish_reason: str = "stop"
+    stop_string: str | None = None  # the stop string the final delta reports
     cached_tokens: int = 0
     abort_yields_final: bool = True  # after abort(): one final "abort" delta, or just end
 
@@ -120,6 +121,7 @@ class FakeHandle:
         return StreamDelta(
             self.request_id, text, token_ids, finish_reason=finish, prompt_tokens=self.prompt_tokens,
             completion_tokens=i + 1 if token_ids else i, cached_tokens=self._script.cached_tokens, logprobs=logprobs,
+            stop_string=self._script.stop_string if finish == "stop" else None,
         )
 
 
@@ -160,6 +162,9 @@ class FakeEngine:
             if template_kwargs.get("enable_thinking"):
                 prompt += " <think>\n"
         return prompt
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(prompt.split())
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)
