@@ -129,6 +129,10 @@ class AsyncEngine:
         )
         return ChatPrompt(text)
 
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """Engine.embed on the engine thread, between two steps."""
+        return await asyncio.to_thread(self.call, lambda: self.engine.embed(prompts, dimensions))
+
     def count_tokens(self, prompt: str) -> int:
         return len(self.engine.encode_prompt(prompt))
 

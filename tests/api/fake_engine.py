@@ -18,6 +18,7 @@ from typing import Any
 from server.engine.types import (
     ContextLengthExceededError,
     EngineStats,
+    InvalidRequestError,
     SamplingParams,
     StreamDelta,
     TokenLogprob,
@@ -162,6 +163,10 @@ class FakeEngine:
             if template_kwargs.get("enable_thinking"):
                 prompt += " <think>\n"
         return prompt
+
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        raise InvalidRequestError(f"the served model {self.model_name} is not an embedding model.", param="model",
+                                  code="model_not_embedding")
 
     def count_tokens(self, prompt: str) -> int:
         return len(prompt.split())
