@@ -14,9 +14,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from server.api.agent_turn import OneTurn
 from server.api.errors import APIError, from_engine_error
 from server.api.generation import Choice
-from server.api.output_blocks import Block, BlockEvent, OneTurn
+from server.api.output_blocks import Block, BlockEvent
 from server.api.sse import sse_event
 from server.api.streaming import ResponseContext
 

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
+from server.api.agent_turn import render_prompt, start_turn
 from server.api.anthropic_output import collect_message, error_response, new_message_id, stream_messages
 from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.api.errors import from_engine_error
-from server.api.reasoning import prompt_opens_reasoning
-from server.api.routes import keepalive_s, parse_body, read_json, respond, start_generation, validate_params
+from server.api.routes import parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
-from server.api.streaming import ResponseContext
-from server.engine.protocol import ServingEngine
 
 
 class AnthropicRoute(APIRoute):
@@ -46,15 +43,6 @@ class AnthropicRoute(APIRoute):
 router = APIRouter(route_class=AnthropicRoute)
 
 
-def _render(engine: ServingEngine, req: CountTokensRequest) -> tuple[str, list[dict[str, Any]] | None]:
-    tools = req.tools_for_template()
-    try:
-        prompt = engine.render_chat(req.template_messages(), tools=tools, **req.template_kwargs())
-    except Exception as exc:
-        raise from_engine_error(exc, about_input=True) from None
-    return prompt, tools
-
-
 @router.post("/v1/messages")
 async def messages(request: Request) -> Response:
     started_at = time.monotonic()
@@ -63,16 +51,10 @@ async def messages(request: Request) -> Response:
     req: MessagesRequest = parse_body(MessagesRequest, await read_json(request, state.config.max_request_body_bytes))
     params = req.to_sampling_params()
     validate_params(params, {"stop": "stop_sequences"})
-    prompt, tools = _render(engine, req)
-    message_id = new_message_id()
-    generation = await start_generation(
-        state, engine, [prompt], params, n=1, request_id=message_id, started_at=started_at, prompt_param="messages",
-    )
-    ctx = ResponseContext(
-        id=message_id, created=int(time.time()), model=state.served_model_name,
-        system_fingerprint=state.system_fingerprint, generation=generation, keepalive_s=keepalive_s(state),
-        start_in_reasoning=prompt_opens_reasoning(prompt), tools=tools,
-    )
+    tools = req.tools_for_template()
+    prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
+    ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_message_id(), started_at=started_at,
+                           prompt_param="messages")
     return await respond(request, state, ctx, req.stream, stream_messages, collect_message)
 
 
@@ -81,5 +63,5 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state: ServingState = request.app.state.serving
     engine = state.ready_engine()
     req: CountTokensRequest = parse_body(CountTokensRequest, await read_json(request, state.config.max_request_body_bytes))
-    prompt, _ = _render(engine, req)
+    prompt = render_prompt(engine, req.template_messages(), req.tools_for_template(), req.template_kwargs())
     return {"input_tokens": engine.count_tokens(prompt)}

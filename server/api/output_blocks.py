@@ -8,13 +8,9 @@ streamed events and the final list come from one splitter and always agree.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from server.api.chat_output import ChatOutputParser
-from server.api.generation import KEEPALIVE, Choice
-from server.api.streaming import ResponseContext, abort_error
 from server.api.tool_parsers import Part, ToolCallArgs, ToolCallStart
 
 BlockKind = Literal["reasoning", "text", "tool_call"]
@@ -90,46 +86,3 @@ class BlockSplitter:
         if self._open is not None:
             events.append(BlockEvent("close", self._open))
             self._open = None
-
-
-class OneTurn:
-    """The single choice of a generated assistant turn, read as block events."""
-
-    def __init__(self, ctx: ResponseContext):
-        self.ctx = ctx
-        self.choice: Choice = ctx.generation.choices[0]
-        self.splitter = BlockSplitter()
-        self._parser: ChatOutputParser = ctx.chat_parser()
-        self.stop_string: str | None = None  # the stop string that ended the output, if one did
-
-    async def events(self, keepalive: bool = True) -> AsyncIterator[list[BlockEvent] | None]:
-        """Block events as they arrive (the last batch closes the last block); None for a keepalive tick. An
-        abort is raised as the error the client should see."""
-        generation = self.ctx.generation
-        async for item in generation.events(self.ctx.keepalive_s if keepalive else None):
-            if item is KEEPALIVE:
-                yield None
-                continue
-            _, delta = item
-            if delta.finish_reason == "abort":
-                raise abort_error(generation)
-            parts = self._parser.feed(delta.text)
-            if delta.finish_reason is not None:
-                parts += self._parser.finish()
-                self.stop_string = delta.stop_string
-            events = self.splitter.feed(parts)
-            if delta.finish_reason is not None:
-                events += self.splitter.finish()
-            yield events
-
-    async def run(self) -> list[Block]:
-        """Generate to the end (no keepalives); the final blocks."""
-        async for _ in self.events(keepalive=False):
-            pass
-        return self.splitter.blocks
-
-    @property
-    def finish_reason(self) -> str:
-        """"tool_calls" when the output stopped after tool calls, else the engine's reason (stop, length)."""
-        reason = self.choice.finish_reason or "stop"
-        return "tool_calls" if reason == "stop" and self.splitter.has_tool_calls else reason

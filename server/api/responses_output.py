@@ -14,8 +14,9 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from server.api.agent_turn import OneTurn
 from server.api.errors import from_engine_error
-from server.api.output_blocks import Block, BlockEvent, OneTurn
+from server.api.output_blocks import Block, BlockEvent
 from server.api.sse import KEEPALIVE_COMMENT, sse_event
 from server.api.streaming import ResponseContext
 

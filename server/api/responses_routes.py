@@ -12,13 +12,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from server.api.errors import from_engine_error
-from server.api.reasoning import prompt_opens_reasoning
+from server.api.agent_turn import render_prompt, start_turn
 from server.api.responses_output import collect_response, new_response_id, stream_response
 from server.api.responses_schemas import ResponsesRequest
-from server.api.routes import keepalive_s, parse_body, read_json, respond, start_generation, validate_params
+from server.api.routes import parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
-from server.api.streaming import ResponseContext
 
 router = APIRouter()
 
@@ -44,19 +42,9 @@ async def responses(request: Request) -> Response:
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     validate_params(params, {"max_tokens": "max_output_tokens"})
     tools = req.tools_for_template()
-    try:
-        prompt = engine.render_chat(req.template_messages(), tools=tools, **req.template_kwargs())
-    except Exception as exc:
-        raise from_engine_error(exc, about_input=True) from None
-    response_id = new_response_id()
-    generation = await start_generation(
-        state, engine, [prompt], params, n=1, request_id=response_id, started_at=started_at, prompt_param="input",
-    )
-    ctx = ResponseContext(
-        id=response_id, created=int(time.time()), model=state.served_model_name,
-        system_fingerprint=state.system_fingerprint, generation=generation, keepalive_s=keepalive_s(state),
-        start_in_reasoning=prompt_opens_reasoning(prompt), tools=tools,
-    )
+    prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
+    ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_response_id(), started_at=started_at,
+                           prompt_param="input")
     echo = _echo(req, tools, params.max_tokens)
     return await respond(request, state, ctx, req.stream, functools.partial(stream_response, echo=echo),
                          functools.partial(collect_response, echo=echo))
