@@ -164,7 +164,8 @@ class AsyncEngine:
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function()` on the engine thread between steps, block until it is done; its result or error.
-        For work that needs the Engine to itself (warm-up, a benchmark's reference run): only while idle."""
+        Work that needs the Engine to itself (warm-up, a benchmark's reference run) only while idle; work that leaves
+        the scheduler alone (an embedding forward) also while serving."""
         if threading.current_thread() is self._thread:
             return function()
         if self._stopping.is_set():

@@ -3,7 +3,8 @@
 
 A checkpoint is an embedding model when `modules.json` lists a Pooling module; `Normalize` in that list turns on
 L2 normalization. The forward is one whole-sequence prefill that attends over its own K/V only, so it leaves the
-serving KV cache untouched and runs between two engine steps.
+serving KV cache untouched and runs between two engine steps (so a long input delays running streams by its
+whole forward: it is not chunked).
 """
 
 from __future__ import annotations
