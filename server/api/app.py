@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from server.api import anthropic_routes, embeddings, responses_routes
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.routes import router
@@ -41,6 +42,9 @@ def create_app(
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
+    app.include_router(embeddings.router)
     # add_middleware puts each new one outermost: auth, then CORS around it (so 401s carry CORS headers
     # and preflights pass), then status counting, then the unversioned paths' rewrite around everything.
     if server_config.api_key:

@@ -24,11 +24,11 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
     role = {"developer": "system", "function": "tool"}.get(message.role, message.role)
-    out: dict[str, Any] = {"role": role, "content": _text_content(message.content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": text_content(message.content, f"{where}.content")}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = [_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+        out["tool_calls"] = [template_tool_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
@@ -37,7 +37,7 @@ def _template_message(message: ChatMessage, where: str) -> dict[str, Any]:
     return out
 
 
-def _text_content(content: str | list[Any] | None, where: str) -> str:
+def text_content(content: str | list[Any] | None, where: str) -> str:
     if content is None:
         return ""  # assistant turns with only tool calls; templates expect a string
     if isinstance(content, str):
@@ -68,7 +68,7 @@ def _text_content(content: str | list[Any] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:
+def template_tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:

@@ -8,10 +8,13 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.api.anthropic_output import ANTHROPIC_ROUTE_PREFIX
+from server.api.anthropic_output import error_response as anthropic_error_response
 from server.api.errors import APIError
 from server.api.metrics import Metrics
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+             "/v1/models", "/health", "/metrics")
 
 
 # Clients configured with the server's root as their base URL (no /v1) send these paths.
@@ -33,7 +36,8 @@ class UnversionedPathMiddleware:
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` on /v1/*, compared in constant time; /health and /metrics stay open."""
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/*, compared in constant time;
+    /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -41,16 +45,21 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
-            error = self._check(Headers(scope=scope).get("authorization"))
+            headers = Headers(scope=scope)
+            error = self._check(headers.get("authorization"), headers.get("x-api-key"))
             if error is not None:
-                await error.response()(scope, receive, send)
+                anthropic = scope["path"].startswith(ANTHROPIC_ROUTE_PREFIX)
+                response = anthropic_error_response(error) if anthropic else error.response()
+                await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
-    def _check(self, header: str | None) -> APIError | None:
+    def _check(self, header: str | None, api_key: str | None) -> APIError | None:
         auth = {"WWW-Authenticate": "Bearer"}
+        if api_key is not None and not header:
+            header = f"Bearer {api_key}"
         if not header:
-            return APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>'.",
+            return APIError(401, "Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
                             code="invalid_api_key", headers=auth)
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):

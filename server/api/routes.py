@@ -72,19 +72,19 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+def parse_body(model: type[BaseModel], body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
 
 
-def _keepalive_s(state: ServingState) -> float | None:
+def keepalive_s(state: ServingState) -> float | None:
     interval = state.config.keepalive_interval_s
     return interval if interval and interval > 0 else None  # 0 turns keepalives off
 
 
-def _validate(params: SamplingParams, renamed: dict[str, str] | None = None) -> None:
+def validate_params(params: SamplingParams, renamed: dict[str, str] | None = None) -> None:
     """SamplingParams.validate(), its `param` spelled as the request spelled it."""
     try:
         params.validate()
@@ -94,7 +94,7 @@ def _validate(params: SamplingParams, renamed: dict[str, str] | None = None) -> 
         raise err from None
 
 
-async def _start(
+async def start_generation(
     state: ServingState,
     engine: ServingEngine,
     prompts: list[str | list[int]],
@@ -120,7 +120,7 @@ async def _start(
     return generation
 
 
-async def _respond(
+async def respond(
     request: Request,
     state: ServingState,
     ctx: ResponseContext,
@@ -151,12 +151,12 @@ async def chat_completions(request: Request) -> Response:
     started_at = time.monotonic()
     state = _state(request)
     engine = state.ready_engine()
-    req: ChatCompletionRequest = _parse(ChatCompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request, state.config.max_request_body_bytes))
     tools = req.tools_for_template()
     messages = template_messages(req.messages)
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    _validate(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
+    validate_params(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
@@ -165,17 +165,17 @@ async def chat_completions(request: Request) -> Response:
         raise from_engine_error(exc, about_input=True) from None
     params.structured = chat_constraint(req, tools, prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = await _start(
+    generation = await start_generation(
         state, engine, [prompt], params, n=req.n, request_id=request_id, started_at=started_at,
         prompt_param="messages",
     )
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
         system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
-        keepalive_s=_keepalive_s(state), logprobs=req.logprobs,
+        keepalive_s=keepalive_s(state), logprobs=req.logprobs,
         reasoning_field=state.config.reasoning_field, start_in_reasoning=prompt_opens_reasoning(prompt), tools=tools,
     )
-    return await _respond(request, state, ctx, req.stream, stream_chat, collect_chat)
+    return await respond(request, state, ctx, req.stream, stream_chat, collect_chat)
 
 
 @router.post("/v1/completions")
@@ -183,10 +183,10 @@ async def completions(request: Request) -> Response:
     started_at = time.monotonic()
     state = _state(request)
     engine = state.ready_engine()
-    req: CompletionRequest = _parse(CompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, state.config.max_request_body_bytes))
     prompts = req.prompts()
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
-    _validate(params)
+    validate_params(params)
     if req.response_format is not None:
         params.structured = response_format_output(req.response_format)
     echo_prompts: list[str] = []
@@ -195,16 +195,16 @@ async def completions(request: Request) -> Response:
             raise APIError(400, "echo needs text prompts (token-id prompts cannot be echoed).", param="echo")
         echo_prompts = list(prompts)  # type: ignore[arg-type]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = await _start(
+    generation = await start_generation(
         state, engine, prompts, params, n=req.n, request_id=request_id, started_at=started_at,
         prompt_param="prompt",
     )
     ctx = ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
         system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
-        keepalive_s=_keepalive_s(state), logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
+        keepalive_s=keepalive_s(state), logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
     )
-    return await _respond(request, state, ctx, req.stream, stream_completion, collect_completion)
+    return await respond(request, state, ctx, req.stream, stream_completion, collect_completion)
 
 
 def _model_card(state: ServingState, model_id: str) -> dict[str, Any]:

@@ -161,7 +161,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise APIError(400, "tool_choice requires a non-empty tools list.", param="tool_choice")
             return None
         for i, tool in enumerate(self.tools):
-            _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
+            check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if choice == "none":
             return None
         tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
@@ -210,7 +210,7 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs)
 
 
-def _check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
+def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
     """The JSON-schema shape the tool-call parsers read: `properties` maps names to schemas."""
     properties = (parameters or {}).get("properties")
     if properties is not None and not isinstance(properties, dict):

@@ -105,3 +105,8 @@ async def run_until_disconnect(receive: Receive, work: Awaitable[Any]) -> tuple[
     if "error" in outcome:
         raise outcome["error"]
     return ("result" in outcome, outcome.get("result"))
+
+
+def sse_event(name: str, obj: Any) -> str:
+    """A named event (`event:` line, then one single-line `data:`), as the Anthropic and Responses streams send."""
+    return f"event: {name}\n{sse_data(obj)}"

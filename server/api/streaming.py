@@ -50,7 +50,7 @@ class ResponseContext:
         return ChatOutputParser(start_in_reasoning=self.start_in_reasoning, tools=self.tools)
 
 
-def _abort_error(generation: Generation) -> APIError:
+def abort_error(generation: Generation) -> APIError:
     if generation.server_aborted:
         return APIError(503, "The server is shutting down; the request was stopped.", code="server_shutdown")
     return APIError(500, "The engine stopped this request before it finished.", code="aborted")
@@ -129,26 +129,23 @@ async def _event_stream(
 ) -> AsyncIterator[str]:
     """What chat and text completions share: keepalives, an abort raised as an error, the usage chunk, [DONE]."""
     gen = ctx.generation
-    async for item in gen.events(ctx.keepalive_s):
+    async for item in deltas(gen, ctx.keepalive_s):
         if item is KEEPALIVE:
             yield KEEPALIVE_COMMENT
             continue
-        choice, delta = item
-        if delta.finish_reason == "abort":
-            raise _abort_error(gen)
-        for line in on_delta(choice, delta):
+        for line in on_delta(*item):
             yield line
     if ctx.include_usage:
         yield sse_data({**header, "choices": [], "usage": gen.usage()})
     yield DONE
 
 
-async def _final_deltas(gen: Generation) -> AsyncIterator[tuple[Choice, StreamDelta]]:
-    async for item in gen.events(None):
-        choice, delta = item
-        if delta.finish_reason == "abort":
-            raise _abort_error(gen)
-        yield choice, delta
+async def deltas(gen: Generation, keepalive_s: float | None = None) -> AsyncIterator[tuple[Choice, StreamDelta] | None]:
+    """Generation.events(), with an abort raised as the error the client should see."""
+    async for item in gen.events(keepalive_s):
+        if item is not KEEPALIVE and item[1].finish_reason == "abort":
+            raise abort_error(gen)
+        yield item
 
 
 async def collect_chat(ctx: ResponseContext) -> dict[str, Any]:
@@ -156,7 +153,7 @@ async def collect_chat(ctx: ResponseContext) -> dict[str, Any]:
     parsers = {c.index: ctx.chat_parser() for c in gen.choices}
     builders = {c.index: MessageBuilder(ctx.reasoning_field) for c in gen.choices}
     logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in gen.choices}
-    async for choice, delta in _final_deltas(gen):
+    async for choice, delta in deltas(gen):
         builders[choice.index].add(parsers[choice.index].feed(delta.text))
         if delta.finish_reason is not None:
             builders[choice.index].add(parsers[choice.index].finish())
@@ -177,7 +174,7 @@ async def collect_completion(ctx: ResponseContext) -> dict[str, Any]:
     gen = ctx.generation
     texts = {c.index: [ctx.echo_prompts[c.prompt_index]] if ctx.echo_prompts else [] for c in gen.choices}
     logprobs: dict[int, list[TokenLogprob]] = {c.index: [] for c in gen.choices}
-    async for choice, delta in _final_deltas(gen):
+    async for choice, delta in deltas(gen):
         texts[choice.index].append(delta.text)
         logprobs[choice.index].extend(delta.logprobs or [])
     choices = []

@@ -129,6 +129,13 @@ class AsyncEngine:
         )
         return ChatPrompt(text)
 
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """Engine.embed on the engine thread, between two steps."""
+        return await asyncio.to_thread(self.call, lambda: self.engine.embed(prompts, dimensions))
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(self.engine.encode_prompt(prompt))
+
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
         num_waiting = self._stats.num_waiting + self._num_pending
@@ -157,7 +164,8 @@ class AsyncEngine:
 
     def call(self, function: Callable[[], Any]) -> Any:
         """Run `function()` on the engine thread between steps, block until it is done; its result or error.
-        For work that needs the Engine to itself (warm-up, a benchmark's reference run): only while idle."""
+        Work that needs the Engine to itself (warm-up, a benchmark's reference run) only while idle; work that leaves
+        the scheduler alone (an embedding forward) also while serving."""
         if threading.current_thread() is self._thread:
             return function()
         if self._stopping.is_set():

@@ -28,6 +28,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.background_compile import BackgroundCompile, describe_failure
 from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
@@ -45,7 +46,7 @@ from server.engine.types import (
     StreamDelta,
 )
 from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
-from server.engine.weights import persistent_tensors
+from server.engine.weights import persistent_tensors, resolve_model_path
 from server.kernels.capabilities import REPORT_HINT
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,11 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, model_name: str, parts: EngineParts | None = None):
+                 max_model_len: int, model_name: str, parts: EngineParts | None = None, pooling: Pooling | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.pooling = pooling  # set for embedding checkpoints (embeddings.read_pooling)
+        if pooling is not None:
+            check_embeddable(model)
         self.device, self.dtype = device, dtype
         self.max_model_len = max_model_len
         self.model_name = model_name
@@ -90,7 +94,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config)
-        return cls(model, tokenizer, config, device, dtype, max_model_len, config.model)
+        pooling = None if config.model == "demo" else read_pooling(resolve_model_path(config.model, config.revision))
+        return cls(model, tokenizer, config, device, dtype, max_model_len, config.model, pooling=pooling)
 
     @property
     def weight_bytes(self) -> int:
@@ -137,17 +142,7 @@ class Engine:
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Tokenize and validate; raises InvalidRequestError / ContextLengthExceededError."""
         params.validate(self.vocab_size)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
+        prompt_ids = self.prompt_ids(prompt)
         if len(prompt_ids) >= self.max_model_len:
             raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
@@ -164,6 +159,25 @@ class Engine:
             max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
             grammar=grammar,
         )
+
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """The token ids of a prompt (text or ids); raises InvalidRequestError when empty or outside the vocab."""
+        if isinstance(prompt, str):
+            prompt_ids = self.encode_prompt(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
+        return prompt_ids
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt; a ChatPrompt already holds its special tokens, so none are added."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)  # first: it refuses an id in use before that request's text is touched
@@ -334,6 +348,26 @@ class Engine:
         self._warmed_up = True
         log.info("compiled steps warmed up (%d runs, %d more decode shapes) in %.1f s", len(runs), num_shapes, seconds)
         return seconds
+
+    def embed(self, prompts: Sequence[str | Sequence[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """Pooled embedding of each prompt (text or token ids), truncated to `dimensions` if given; -> (vectors,
+        number of prompt tokens). Only for embedding checkpoints; runs while the engine is between steps."""
+        if self.pooling is None:
+            raise InvalidRequestError(
+                f"the served model {self.model_name} is not an embedding model: its checkpoint has no "
+                "sentence-transformers pooling config (modules.json and a Pooling module). Serve an embedding "
+                "checkpoint such as Qwen3-Embedding.", param="model", code="model_not_embedding")
+        vectors, num_tokens = [], 0
+        for index, prompt in enumerate(prompts):
+            ids = self.prompt_ids(prompt)
+            if len(ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"input[{index}] is {len(ids)} tokens, more than this model's maximum context length of "
+                    f"{self.max_model_len} tokens.", param="input", code="context_length_exceeded")
+            vector = pool(hidden_states(self.model, ids, self.device), self.pooling).tolist()
+            vectors.append(truncate(vector, dimensions, self.pooling.normalize))
+            num_tokens += len(ids)
+        return vectors, num_tokens
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits `[len, vocab]` of one full (chunked) prefill, for parity tests and perplexity."""

@@ -61,7 +61,7 @@ class OutputAssembler:
         if request.is_finished:
             del self.live[request.request_id]
         logprobs = [self._logprob(token)] if state.wants_logprobs else None
-        return stream_delta(request, emit, [token.token_id], logprobs)
+        return stream_delta(request, emit, [token.token_id], logprobs, state.stop.matched)
 
     def _logprob(self, token: SampledToken) -> TokenLogprob:
         text = self.tokenizer.token_text if self.tokenizer else str
@@ -69,7 +69,8 @@ class OutputAssembler:
         return TokenLogprob(token.token_id, text(token.token_id), float(token.logprob or 0.0), top)
 
 
-def stream_delta(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> StreamDelta:
+def stream_delta(request: Request, text: str, token_ids: list[int], logprobs: list[TokenLogprob] | None,
+                 stop_string: str | None = None) -> StreamDelta:
     return StreamDelta(
         request_id=request.request_id,
         text=text,
@@ -79,6 +80,7 @@ def stream_delta(request: Request, text: str, token_ids: list[int], logprobs: li
         completion_tokens=request.num_output_tokens,
         cached_tokens=request.num_cached_tokens,
         logprobs=logprobs,
+        stop_string=stop_string,
     )
 
 

@@ -39,6 +39,13 @@ class ServingEngine(Protocol):
     ) -> str:
         """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts)."""
 
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """(pooled embedding per prompt, number of prompt tokens). Raises InvalidRequestError when the model is
+        no embedding model or an input is empty, outside the vocabulary or too long."""
+
+    def count_tokens(self, prompt: str) -> int:
+        """How many tokens `prompt` (e.g. a render_chat result) is, as submit() would encode it."""
+
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a request. Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
         synchronously, before anything is streamed."""

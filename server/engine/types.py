@@ -188,6 +188,7 @@ class StreamDelta:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    stop_string: str | None = None  # the stop string that ended the request (finish_reason "stop"), if one did
 
 
 @dataclass

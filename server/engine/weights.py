@@ -103,9 +103,13 @@ class WeightLoader:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.params.update(_checkpoint_buffers(model))  # e.g. LFM2's fp32 expert_bias, FP8 weights
         self.filled: set[tuple[str, Any]] = set()
+        self.bare_decoder = False  # tensors named without `model.`: a checkpoint of the decoder alone, no LM head
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
         target = self.resolve(name)
+        if target is None and not name.startswith("model."):  # embedding checkpoints (e.g. Qwen3-Embedding)
+            target = self.resolve(f"model.{name}")
+            self.bare_decoder = self.bare_decoder or target is not None
         if target is None:
             log.debug("ignoring checkpoint tensor %s", name)
             return
@@ -159,7 +163,10 @@ class WeightLoader:
 
     def check_complete(self) -> None:
         missing = []
-        for param_name, _ in [*self.model.named_parameters(), *_checkpoint_buffers(self.model).items()]:
+        for param_name, param in [*self.model.named_parameters(), *_checkpoint_buffers(self.model).items()]:
+            if self.bare_decoder and param_name == "lm_head.weight" and (param_name, None) not in self.filled:
+                param.data.zero_()  # a decoder-only checkpoint serves embeddings; its logits are never meaningful
+                continue
             for key, ckpt_name in self._expected_pieces(param_name):
                 if (param_name, key) not in self.filled:
                     missing.append(ckpt_name)

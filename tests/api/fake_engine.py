@@ -18,6 +18,7 @@ from typing import Any
 from server.engine.types import (
     ContextLengthExceededError,
     EngineStats,
+    InvalidRequestError,
     SamplingParams,
     StreamDelta,
     TokenLogprob,
@@ -32,6 +33,7 @@ class Script:
     gate: threading.Event | None = None  # the first piece waits until it is set
     error_after: int | None = None  # raise after this many pieces
     finish_reason: str = "stop"
+    stop_string: str | None = None  # the stop string the final delta reports
     cached_tokens: int = 0
     abort_yields_final: bool = True  # after abort(): one final "abort" delta, or just end
 
@@ -120,6 +122,7 @@ class FakeHandle:
         return StreamDelta(
             self.request_id, text, token_ids, finish_reason=finish, prompt_tokens=self.prompt_tokens,
             completion_tokens=i + 1 if token_ids else i, cached_tokens=self._script.cached_tokens, logprobs=logprobs,
+            stop_string=self._script.stop_string if finish == "stop" else None,
         )
 
 
@@ -160,6 +163,13 @@ class FakeEngine:
             if template_kwargs.get("enable_thinking"):
                 prompt += " <think>\n"
         return prompt
+
+    async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        raise InvalidRequestError(f"the served model {self.model_name} is not an embedding model.", param="model",
+                                  code="model_not_embedding")
+
+    def count_tokens(self, prompt: str) -> int:
+        return len(prompt.split())
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)

@@ -94,3 +94,17 @@ def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
 def chunks_of(data: list[str]) -> list[dict[str, Any]]:
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
+
+
+def named_events(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Parse an SSE body of named events (Anthropic, Responses): (event name, data object) per event. Asserts the
+    framing: one `event:` line, one single-line `data:` whose `type` is the event name, a blank line."""
+    assert text.endswith("\n\n"), "the stream must end with a blank line"
+    events = []
+    for raw in text[:-2].split("\n\n"):
+        lines = raw.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: "), raw
+        name, data = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
+        assert data["type"] == name
+        events.append((name, data))
+    return events

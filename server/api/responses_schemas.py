@@ -1,0 +1,195 @@
+"""Pydantic models of the OpenAI Responses requests this server accepts (stateless), and their mapping to the
+chat-template messages, tools and SamplingParams that chat completions use.
+
+Input items: messages (role user / assistant / system / developer; text parts), function_call,
+function_call_output and reasoning (rendered as the next assistant turn's reasoning). Tools of types other than
+"function" (web_search, file_search, custom, ...) are dropped: no model here can call them, and agents send fixed
+tool lists. Unknown fields are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+
+from server.api.errors import APIError
+from server.api.messages import template_tool_call, text_content
+from server.api.schemas import FunctionCall, ToolCall, check_parameters
+from server.engine.types import SamplingParams
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class MessageItem(_Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[dict[str, Any]]
+
+
+class FunctionCallItem(_Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(_Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[dict[str, Any]]
+
+
+class ReasoningText(_Lenient):
+    text: str
+
+
+class ReasoningItem(_Lenient):
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+
+
+def _item_type(value: Any) -> str | None:
+    return value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_type),
+]
+
+
+class FunctionTool(_Lenient):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Lenient):
+    type: str = "text"
+
+
+class TextConfig(_Lenient):
+    format: TextFormat | None = None
+
+
+class Reasoning(_Lenient):
+    effort: str | None = None
+
+
+class ResponsesRequest(_Lenient):
+    model: str | None = None
+    input: list[InputItem]  # a string is one user message
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by tools_for_template, to name it in one error
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _string_input(cls, value: Any) -> Any:
+        return [{"role": "user", "content": value}] if isinstance(value, str) else value
+
+    def check_stateless(self) -> None:
+        if self.previous_response_id is not None:
+            raise APIError(400, "previous_response_id is not supported: this server keeps no responses. Send the "
+                           "whole conversation in `input` (store=false semantics).", param="previous_response_id")
+        if self.text is not None and self.text.format is not None and self.text.format.type != "text":
+            raise APIError(400, f"text.format of type {self.text.format.type!r} is not supported: this server has "
+                           "no constrained decoding. Ask for JSON in the prompt instead.", param="text.format")
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=default_max_tokens if self.max_output_tokens is None else self.max_output_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+        )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """reasoning.effort "none" turns the template's thinking switch off; other efforts keep its default."""
+        return {"enable_thinking": False} if self.reasoning is not None and self.reasoning.effort == "none" else {}
+
+    def function_tools(self) -> list[FunctionTool]:
+        tools = []
+        for i, tool in enumerate(self.tools or []):
+            if tool.get("type") != "function":
+                continue
+            try:
+                tools.append(FunctionTool.model_validate(tool))
+            except ValueError as exc:
+                raise APIError(400, f"tools[{i}] is not a valid function tool: {exc}", param=f"tools[{i}]") from None
+            check_parameters(tools[-1].parameters, f"tools[{i}].parameters")
+        return tools
+
+    def _named_function(self) -> str | None:
+        """The function a tool_choice object names; None for "auto" / "none" / "required"; 400 otherwise."""
+        choice = self.tool_choice
+        if choice is None or choice in ("auto", "none", "required"):
+            return None
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+            return choice["name"]
+        raise APIError(400, f"tool_choice must be \"auto\", \"none\", \"required\" or "
+                       f"{{\"type\": \"function\", \"name\": ...}}, got {choice!r}.", param="tool_choice")
+
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        named = self._named_function()
+        tools = self.function_tools()
+        if not tools:
+            if named is not None or self.tool_choice == "required":
+                raise APIError(400, "tool_choice requires a non-empty list of function tools.", param="tool_choice")
+            return None
+        if self.tool_choice == "none":
+            return None
+        as_chat = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in tools]
+        if named is None:
+            return as_chat
+        chosen = [t for t in as_chat if t["function"]["name"] == named]
+        if not chosen:
+            names = ", ".join(t.name for t in tools)
+            raise APIError(400, f"tool_choice names function {named!r}, which is not in tools ({names}).",
+                           param="tool_choice")
+        return chosen
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if self.instructions:
+            out.append({"role": "system", "content": self.instructions})
+        reasoning: list[str] = []  # reasoning items wait for the assistant turn they belong to
+        for i, item in enumerate(self.input):
+            where = f"input[{i}]"
+            if isinstance(item, ReasoningItem):
+                reasoning += [part.text for part in item.content or item.summary]
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                out.append({"role": "tool", "tool_call_id": item.call_id,
+                            "content": text_content(item.output, f"{where}.output")})
+            elif isinstance(item, FunctionCallItem):
+                call = template_tool_call(ToolCall(id=item.call_id, function=FunctionCall(
+                    name=item.name, arguments=item.arguments)), where)
+                if not (out and out[-1]["role"] == "assistant"):
+                    out.append({"role": "assistant", "content": ""})
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": text_content(item.content, f"{where}.content")})
+            if reasoning and out and out[-1]["role"] == "assistant":
+                out[-1]["reasoning_content"] = "\n".join(reasoning)
+                reasoning = []
+        return out
