@@ -25,7 +25,7 @@ for case in "$@"; do
                --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
-    layers) for p in qwen3-30b-a3b llama-3.1-8b; do
+    layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b}; do
               timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
                 --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
             cat "$out"/layers-*.txt > "$out/layers.txt" ;;
