@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -163,7 +164,10 @@ def _fewest_over_ranks(num_blocks: int) -> int:
 
 
 def follow() -> int:
-    """A follower's life: build each engine rank 0 builds, run each step it plans; 0 once rank 0 finishes."""
+    """A follower's life: build each engine rank 0 builds, run each step it plans; 0 once rank 0 finishes.
+    Ctrl-C is rank 0's to act on (torchrun sends it to every rank): rank 0 drains its requests, then releases
+    the followers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine, prev = None, None
     while (message := _exchange()) is not None:
         if isinstance(message, BuildSpec):

@@ -4,7 +4,8 @@ torchrun sets them. Rank 0 builds each model of the spec split over the ranks an
 API; the other rank follows (server.engine.distributed.follow), as under `torchrun -m server ...`.
 
 SPEC: {"kind": "tensor" | "pipeline", "models": [checkpoint dirs], "prompts": [[ids]], "num_new": N,
-"out": file for rank 0's results, "forever": bool (generate until killed, for the lost-rank tests)}.
+"out": file for rank 0's results (one per model, in order), "forever": bool (generate until killed, for the
+lost-rank tests)}.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from tests.helpers import make_engine
 def lead(spec: dict) -> None:
     sizes = {f"{spec['kind']}_parallel": 2}
     params = SamplingParams(max_tokens=spec["num_new"], temperature=0.0, ignore_eos=True)
-    results = {}
+    results = []
     for path in spec["models"]:
         engine = make_engine(path, **sizes)
         tokens = [out.token_ids for out in engine.generate(spec["prompts"], params)]
-        results[path] = {"tokens": tokens, "logits": engine.score(spec["prompts"][0])}
+        results.append({"tokens": tokens, "logits": engine.score(spec["prompts"][0])})
         while spec.get("forever"):
             print("stepping", flush=True)
             engine.generate(spec["prompts"], params)

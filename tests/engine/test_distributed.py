@@ -42,9 +42,10 @@ def start_ranks(spec: dict, tmp_path: Path) -> list[subprocess.Popen]:
             for rank in (0, 1)]
 
 
-def run_ranks(kind: str, models: list[Path], tmp_path: Path) -> dict:
+def run_ranks(kind: str, models: list[Path], tmp_path: Path) -> list[dict]:
     out = tmp_path / "results.pt"
-    spec = {"kind": kind, "models": [str(m) for m in models], "prompts": PROMPTS, "num_new": NUM_NEW, "out": str(out)}
+    spec = {"kind": kind, "models": [str(m) for m in models], "prompts": PROMPTS, "num_new": NUM_NEW,
+            "out": str(out)}
     ranks = start_ranks(spec, tmp_path)
     for rank, proc in enumerate(ranks):
         _, stderr = proc.communicate(timeout=120)
@@ -52,30 +53,28 @@ def run_ranks(kind: str, models: list[Path], tmp_path: Path) -> dict:
     return torch.load(out)
 
 
-def assert_matches_one_process(results: dict) -> None:
+def assert_matches_one_process(models: list[Path], results: list[dict]) -> None:
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
-    for path, result in results.items():
+    for path, result in zip(models, results, strict=True):
         engine = make_engine(path)
         assert result["tokens"] == [out.token_ids for out in engine.generate(PROMPTS, params)], path
         expected = engine.score(PROMPTS[0])
         assert result["logits"].shape == expected.shape == (len(PROMPTS[0]), 256)
-        torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=1e-4, msg=path)
+        torch.testing.assert_close(result["logits"], expected, atol=1e-4, rtol=1e-4, msg=str(path))
 
 
-@pytest.fixture
-def checkpoints(tiny_checkpoint, hybrid_checkpoint):
+def test_tensor_parallel_matches_one_process(tiny_checkpoint, hybrid_checkpoint, tmp_path):
     """llama, qwen3_moe (softmax experts, a dense layer) and the Qwen3-Next hybrid (Gated DeltaNet, gated
     attention, shared expert)."""
-    return [tiny_checkpoint("llama")[0], tiny_checkpoint("qwen3_moe")[0], hybrid_checkpoint("qwen3_next")[0]]
+    models = [tiny_checkpoint("llama")[0], tiny_checkpoint("qwen3_moe")[0], hybrid_checkpoint("qwen3_next")[0]]
+    assert_matches_one_process(models, run_ranks(TENSOR, models, tmp_path))
 
 
-def test_tensor_parallel_matches_one_process(checkpoints, tmp_path):
-    assert_matches_one_process(run_ranks(TENSOR, checkpoints, tmp_path))
-
-
-def test_pipeline_parallel_matches_one_process(checkpoints, hybrid_checkpoint, tmp_path):
-    tied = hybrid_checkpoint("lfm2_moe")[0]  # the LM head is the embedding: both on rank 0
-    assert_matches_one_process(run_ranks(PIPELINE, [*checkpoints, tied], tmp_path))
+def test_pipeline_parallel_matches_one_process(tiny_checkpoint, hybrid_checkpoint, tmp_path):
+    """qwen3_moe, Qwen3-Next (its stage 0 holds no attention layer, so no KV cache) and LFM2-MoE, whose LM head
+    is its embedding: both on rank 0."""
+    models = [tiny_checkpoint("qwen3_moe")[0], hybrid_checkpoint("qwen3_next")[0], hybrid_checkpoint("lfm2_moe")[0]]
+    assert_matches_one_process(models, run_ranks(PIPELINE, models, tmp_path))
 
 
 @pytest.mark.parametrize("victim", [1, 0])
@@ -115,6 +114,28 @@ def test_each_tensor_parallel_rank_holds_its_slice_of_every_weight(arch, tiny_ch
             num_sliced += shard is not None
             torch.testing.assert_close(tensor, expected, atol=0, rtol=0, msg=name)
     assert num_sliced > 10
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next"])
+def test_fp8_ranks_quantize_their_own_slices(arch, tiny_checkpoint, hybrid_checkpoint):
+    """Each rank's FP8 weights times their row scales are its slices of the unquantized weights, to FP8
+    precision: column-parallel rows keep their own scales, row-parallel slices get scales of their own."""
+    path = tiny_checkpoint(arch)[0] if arch == "qwen3_moe" else hybrid_checkpoint(arch)[0]
+    cpu = torch.device("cpu")
+    whole = load_model(path, cpu, torch.float32)[0].state_dict()
+    scale_names = {"weight": "weight_scale", "gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}
+    for rank in (0, 1):
+        part, _ = load_model(path, cpu, torch.float32, "fp8", Layout(TENSOR, rank, 2))
+        state = part.state_dict()
+        fp8_names = [name for name, t in state.items() if t.dtype == torch.float8_e4m3fn]
+        assert len(fp8_names) > 10
+        for name in fp8_names:
+            module, _, leaf = name.rpartition(".")
+            scale = state[f"{module}.{scale_names[leaf]}"]
+            value = state[name].float() * (scale if scale.dim() == state[name].dim() else scale[..., None])
+            _, shard = locate(part, name)
+            expected = whole[name] if shard is None else shard.take(whole[name])
+            assert float((value - expected).abs().max() / expected.abs().max()) < 0.07, name  # e4m3: 3 mantissa bits
 
 
 def test_pipeline_stages_hold_contiguous_layer_ranges(hybrid_checkpoint):
