@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.types import SamplingParams
+from server.engine.types import ModelLoadError, SamplingParams
 from server.engine.weights import load_model
 from server.models.parallel import PIPELINE, TENSOR, Layout, kv_head_range, locate, stage_range
-from tests.helpers import make_engine
+from tests.helpers import make_engine, write_blockwise_fp8_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 9, 200, 31, 7, 8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 99], [42, 17, 3]]
@@ -121,14 +121,26 @@ def test_fp8_ranks_quantize_their_own_slices(arch, tiny_checkpoint, hybrid_check
     """Each rank's FP8 weights times their row scales are its slices of the unquantized weights, to FP8
     precision: column-parallel rows keep their own scales, row-parallel slices get scales of their own."""
     path = tiny_checkpoint(arch)[0] if arch == "qwen3_moe" else hybrid_checkpoint(arch)[0]
-    cpu = torch.device("cpu")
-    whole = load_model(path, cpu, torch.float32)[0].state_dict()
+    assert_fp8_ranks_hold_slices(path, load_model(path, torch.device("cpu"), torch.float32)[0].state_dict())
+
+
+def test_blockwise_fp8_checkpoint_shards_on_its_blocks(tiny_checkpoint, tmp_path):
+    """A Hugging Face block-wise FP8 checkpoint: each rank reads its weights' slices and their scale blocks."""
+    src = tiny_checkpoint("llama")[0]
+    path = write_blockwise_fp8_checkpoint(src, tmp_path / "fp8-16", 16)  # TP 2 shards: 16-row multiples
+    assert_fp8_ranks_hold_slices(path, load_model(src, torch.device("cpu"), torch.float32)[0].state_dict())
+    unaligned = write_blockwise_fp8_checkpoint(src, tmp_path / "fp8-32", 32)  # 16 rows of k_proj per rank
+    with pytest.raises(ModelLoadError, match="does not fall on FP8 blocks of 32"):
+        load_model(unaligned, torch.device("cpu"), torch.float32, layout=Layout(TENSOR, 0, 2))
+
+
+def assert_fp8_ranks_hold_slices(path: Path, whole: dict[str, torch.Tensor]) -> None:
     scale_names = {"weight": "weight_scale", "gate_up_proj": "gate_up_scale", "down_proj": "down_scale"}
     for rank in (0, 1):
-        part, _ = load_model(path, cpu, torch.float32, "fp8", Layout(TENSOR, rank, 2))
+        part, _ = load_model(path, torch.device("cpu"), torch.float32, "fp8", Layout(TENSOR, rank, 2))
         state = part.state_dict()
         fp8_names = [name for name, t in state.items() if t.dtype == torch.float8_e4m3fn]
-        assert len(fp8_names) > 10
+        assert len(fp8_names) > 5
         for name in fp8_names:
             module, _, leaf = name.rpartition(".")
             scale = state[f"{module}.{scale_names[leaf]}"]
