@@ -43,6 +43,16 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None,
                         help="TOML file with [engine] and [server] tables; flags override it (default: none; "
                              "server/configs/default.toml is an example)")
+    add_parallel_args(parser)
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                        help="split every layer over N processes started by torchrun (fast links: NVLink) "
+                             "(default: 1)")
+    parser.add_argument("--pipeline-parallel", type=int, default=None, metavar="N",
+                        help="split the layers into N contiguous ranges, one per process started by torchrun "
+                             "(slower links: several Macs over Thunderbolt or Ethernet) (default: 1)")
 
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
@@ -53,6 +63,8 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "quantization": args.quantize,  # "none" overrides a config file's fp8; EngineConfig normalizes it
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel": args.tensor_parallel,
+        "pipeline_parallel": args.pipeline_parallel,
     }
 
 
@@ -123,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from server.bench.options import add_bench_parser  # argparse only; the bench itself loads lazily
 
-    add_bench_parser(sub, common)
+    add_parallel_args(add_bench_parser(sub, common))
     check = sub.add_parser("selfcheck", parents=common,
                            help="every fast path against its reference on this machine, speeds and a short decode; "
                                 "a PASS/FAIL table and a summary line for bug reports")
@@ -248,6 +260,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def run_parallel(args: argparse.Namespace, handler, num_ranks: int) -> int:
+    """One rank of a model split over `num_ranks` processes: rank 0 runs the command, the others follow it."""
+    from server.engine import distributed
+
+    if "RANK" not in os.environ:
+        raise ValueError(f"--tensor-parallel / --pipeline-parallel {num_ranks} run one process per rank: start "
+                         f"them with torchrun --nproc-per-node {num_ranks} -m server {args.command} ...")
+    env = os.environ
+    info = distributed.ProcessInfo(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
+    distributed.init(info, num_ranks, args.device)
+    try:
+        code = handler(args) if info.rank == 0 else distributed.follow()
+    except BaseException as exc:  # noqa: B036 - every failure must end all ranks, Ctrl-C included
+        distributed.abandon(exc)
+    distributed.finish()
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Compiled graphs persist in the user cache (not /tmp), so a restart skips most of the compile. The suffix
@@ -258,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench,
                 "selfcheck": cmd_selfcheck}
     try:
+        num_ranks = max(getattr(args, "tensor_parallel", None) or 1, getattr(args, "pipeline_parallel", None) or 1)
+        if num_ranks > 1:
+            return run_parallel(args, handlers[args.command], num_ranks)
         return handlers[args.command](args)
     except (ValueError, EngineError) as exc:  # configuration and request errors carry a message that says what to fix
         print(f"mps-serve: error: {exc}", file=sys.stderr)

@@ -30,6 +30,11 @@ class EngineConfig:
     # on CUDA for bf16/fp16 attention-only models, where compiling makes prefill faster; elsewhere eager
     compile_prefill: bool | None = None
     revision: str | None = None
+    # one model over several processes started by torchrun (server.engine.distributed): ranks that split every
+    # layer (tensor) or hold contiguous layer ranges (pipeline); one of the two at a time
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    distributed_timeout_s: float = 300.0  # a collective of a step waits this long for a hung rank
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -38,6 +43,10 @@ class EngineConfig:
             object.__setattr__(self, "quantization", None)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
+        if min(self.tensor_parallel, self.pipeline_parallel) < 1:
+            raise ValueError("tensor_parallel and pipeline_parallel count processes: at least 1")
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError("use tensor parallel or pipeline parallel, not both at once")
 
 
 COMPILE_MODES = ("auto", "on", "off")

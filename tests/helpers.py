@@ -197,3 +197,40 @@ def random_text(rng: random.Random, max_len: int = 60) -> str:
             code = rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0xFFFC), rng.randint(0x10000, 0x10FFFF)])
             pieces.append(chr(code))
     return "".join(pieces)
+
+
+def blockwise_quantize(weight: torch.Tensor, block: int):
+    """Hugging Face `quant_method: fp8` form: e4m3 weight and one `weight_scale_inv` per block x block tile."""
+    from server.kernels.fp8 import FP8_DTYPE
+
+    rows, cols = weight.shape
+    scale = torch.empty(-(-rows // block), -(-cols // block))
+    q = torch.empty(weight.shape, dtype=FP8_DTYPE)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(FP8_DTYPE)
+    return q, scale
+
+
+def write_blockwise_fp8_checkpoint(src: Path, path: Path, block: int) -> Path:
+    """A copy of checkpoint `src` with every projection in block-wise FP8 (one safetensors file)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, path)
+    state = {}
+    for name, tensor in merged_state(src).items():
+        if name.endswith("proj.weight"):
+            state[name], state[name + "_scale_inv"] = blockwise_quantize(tensor, block)
+        else:
+            state[name] = tensor
+    for file in path.glob("*.safetensors*"):
+        file.unlink()
+    save_file(state, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path

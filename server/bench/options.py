@@ -56,6 +56,8 @@ class BenchOptions:
     seed: int = 0
     copy_mib: int | None = None  # None: a size per device type
     config_file: str | None = None
+    tensor_parallel: int | None = None
+    pipeline_parallel: int | None = None
     engine_options: dict[str, Any] = field(default_factory=dict)
 
 
@@ -178,5 +180,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         seed=args.seed,
         copy_mib=args.copy_mib,
         config_file=args.config_file,
+        tensor_parallel=args.tensor_parallel,
+        pipeline_parallel=args.pipeline_parallel,
         engine_options=dict(args.engine_option),
     )

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.engine import device as device_mod
 from server.engine.weights import WeightLoader, empty_model, persistent_tensors
+from server.models.parallel import Layout, locate
 
 INIT_STD = 0.02
 
@@ -35,20 +37,34 @@ def init_value(
 
 @torch.no_grad()
 def build_random_model(
-    hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0, quantization: str | None = None
+    hf_config: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0, quantization: str | None = None,
+    layout: Layout | None = None,
 ) -> nn.Module:
     """Our model with random weights, filled on `device` one tensor at a time through the serving loader. Each
     tensor is generated under its unquantized name and shape, so with `quantization="fp8"` it is quantized as it
     is loaded and the peak memory is the FP8 model plus one tensor: an 80B model fits one GPU in FP8 though not
-    in bf16."""
-    model = empty_model(hf_config, device, dtype, quantization)
+    in bf16. Under a parallel `layout`, this rank's part: the same values as one device's model, sliced."""
+    model = empty_model(hf_config, device, dtype, quantization, layout)
     loader = WeightLoader(model)
     for name, meta in persistent_tensors(empty_model(hf_config, "meta", dtype)).items():
-        if meta.is_floating_point():
-            if loader.resolve(name) is None:
-                raise ValueError(f"{name} has no place in the {quantization or dtype} model")
-            loader.load(name, init_value(name, meta.shape, meta.dtype, device, seed))
+        where = locate(model, name)
+        if not meta.is_floating_point() or where is None:
+            continue
+        local_name, shard = where
+        if loader.resolve(local_name) is None:
+            raise ValueError(f"{name} has no place in the {quantization or dtype} model")
+        value = init_value(name, meta.shape, meta.dtype, device, seed)
+        loader.load(local_name, value if shard is None else shard.take(value))
     return model
+
+
+def load_random(hf_config: dict[str, Any], seed: int, max_model_len: int, config, layout: Layout):
+    """A parallel engine's loader (server.engine.distributed.BuildSpec) of a preset: this rank's part of the
+    random model -> (model, no tokenizer, device, dtype, max_model_len)."""
+    device, _ = device_mod.select_device(config.device)
+    dtype = device_mod.select_dtype(config.dtype, device, None)
+    return build_random_model(hf_config, device, dtype, seed, config.quantization, layout), None, device, dtype, \
+        max_model_len
 
 
 class OurWeights:

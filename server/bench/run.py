@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import gc
 import logging
 import platform
@@ -232,8 +233,12 @@ def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max
 
     if target.model_dir is not None:
         return Engine.from_config(config)
-    from server.bench.random_model import build_random_model
+    from server.bench.random_model import build_random_model, load_random
 
+    if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+        from server.engine.distributed import BuildSpec, start_engine
+
+        return start_engine(BuildSpec(config, functools.partial(load_random, target.hf_config, opts.seed, max_len)))
     model = build_random_model(target.hf_config, device, dtype, opts.seed, config.quantization)
     return Engine.from_model(model, config, device, max_model_len=max_len)
 
@@ -258,6 +263,9 @@ def engine_config(opts, quantize: str, graphs: bool | None, target: Target, devi
         max_num_seqs=max_batch, max_model_len=max_len, enable_prefix_caching=False,
         kv_cache_memory_bytes=KVCache.bytes_per_block(shapes, block_size, dtype) * num_blocks,
     )
+    for field_name in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(opts, field_name):
+            settings[field_name] = getattr(opts, field_name)
     settings.update(opts.engine_options)  # the user's --engine-option wins over the bench's own sizing
     if graphs is not None:
         settings["cuda_graphs"] = graphs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.state_cache import StateCache, state_pool
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
+from server.models.parallel import Layout
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,10 @@ class EngineParts:
     compile_prefill: bool  # the config's None resolved for this device and model
 
 
-def load_pretrained(config: EngineConfig) -> tuple[torch.nn.Module, Tokenizer, torch.device, torch.dtype, int]:
-    """-> (model, tokenizer, device, dtype, max_model_len) of `config.model` (the demo, a path or a Hub id)."""
+def load_pretrained(config: EngineConfig, layout: Layout | None = None
+                    ) -> tuple[torch.nn.Module, Tokenizer, torch.device, torch.dtype, int]:
+    """-> (model, tokenizer, device, dtype, max_model_len) of `config.model` (the demo, a path or a Hub id);
+    under a parallel `layout`, this rank's part of the model."""
     if config.model == "demo":
         from server.engine.demo import ensure_demo_model
 
@@ -47,7 +51,7 @@ def load_pretrained(config: EngineConfig) -> tuple[torch.nn.Module, Tokenizer, t
     dtype = device_mod.select_dtype(config.dtype, device, checkpoint_dtype)
     log.info("loading %s on %s (%s) as %s", config.model, device, reason, dtype)
     start = time.perf_counter()
-    model, _ = load_model(model_dir, device, dtype, config.quantization)
+    model, _ = load_model(model_dir, device, dtype, config.quantization, layout)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     log.info("weights loaded%s in %.1f s", " and quantized" if config.quantization else "", time.perf_counter() - start)
     limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
@@ -55,7 +59,8 @@ def load_pretrained(config: EngineConfig) -> tuple[torch.nn.Module, Tokenizer, t
 
 
 def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_model_len: int) -> EngineParts:
+                max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None) -> EngineParts:
+    """`agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold."""
     specs = model.state_shapes() if hasattr(model, "state_shapes") else None
     # The state pool is allocated first: the KV budget's share of free memory then accounts for it.
     state_cache, state_slots, state_bytes = state_pool(
@@ -63,8 +68,11 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     )
     shapes = model.kv_cache_shapes()
     budget = kv_budget_bytes(config, device, state_bytes)
-    per_block = KVCache.bytes_per_block(shapes, config.block_size, dtype)
+    # at least 1: a pipeline stage without attention layers holds no KV, only the block count every rank shares
+    per_block = max(KVCache.bytes_per_block(shapes, config.block_size, dtype), 1)
     num_blocks = num_kv_blocks(budget, per_block, config.block_size, max_model_len, config.max_num_seqs)
+    if agree_num_blocks is not None:
+        num_blocks = agree_num_blocks(num_blocks)
     # One more block than the budget's: block 0 is the scratch target of padded decode rows.
     kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
     allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)

@@ -93,6 +93,10 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+            from server.engine.distributed import BuildSpec, start_engine  # it builds Engines: imported late
+
+            return start_engine(BuildSpec(config))
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config)
         pooling = None if config.model == "demo" else read_pooling(resolve_model_path(config.model, config.revision))
         return cls(model, tokenizer, config, device, dtype, max_model_len, config.model, pooling=pooling)

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
+from server.models.parallel import Layout, apply_layout, locate
 from server.models.quant import plan_kept_layers, swap_to_fp8
 from server.models.registry import get_model_module
 
@@ -85,14 +86,32 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    files: list[Path], model: nn.Module, fp8_block: tuple[int, int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(our name, tensor) of every checkpoint tensor this rank holds (all of them on one device), named by the
+    model's `sanitize`; of a sharded tensor only its shard is read from the file. `fp8_block`: the block size
+    of a block-wise FP8 checkpoint, whose `weight_scale_inv` grids shard with their weights."""
     for file in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    mapped = model.sanitize(name)
+                    where = None if mapped is None else locate(model, mapped)
+                    if where is None:
+                        continue
+                    local_name, shard = where
+                    if shard is None:
+                        yield local_name, handle.get_tensor(name)
+                        continue
+                    piece = handle.get_slice(name)
+                    if fp8_block is not None and name.endswith(".weight_scale_inv"):  # [rows, cols] of blocks
+                        shard = shard.blocks(fp8_block[shard.dim + 2 - len(piece.get_shape())])
+                    yield local_name, shard.take(piece)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"weight file {file} is corrupt or unreadable: {exc}") from None
+        except ValueError as exc:  # a shard that does not fall on the checkpoint's FP8 blocks
+            raise ModelLoadError(f"{file}: {exc}") from None
 
 
 class WeightLoader:
@@ -231,15 +250,20 @@ def _join(*parts: str) -> str:
 
 
 def empty_model(
-    hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype, quantization: str | None = None
+    hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype, quantization: str | None = None,
+    layout: Layout | None = None,
 ) -> nn.Module:
-    """Our model of this config.json, built on the meta device (its linears and experts swapped for their FP8
-    forms when `quantization="fp8"`) and materialized uninitialized on `device`, computed buffers (RoPE)
-    reset: ready for its weights. Raises ValueError for an unknown model_type or quantization."""
+    """Our model of this config.json, built on the meta device (cut to this rank's part under a parallel
+    `layout`; its linears and experts swapped for their FP8 forms when `quantization="fp8"`) and materialized
+    uninitialized on `device`, computed buffers (RoPE) reset: ready for its weights. Raises ValueError for an
+    unknown model_type or quantization, or a layout the model's shapes do not divide."""
     module = get_model_module(hf_config["model_type"])
     args = module.ModelArgs.from_hf_config(hf_config)
     with torch.device("meta"):
-        model = module.Model(args).to(dtype)
+        model = module.Model(args)
+        if layout is not None:
+            apply_layout(model, layout)
+        model = model.to(dtype)
     if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
         keep = plan_kept_layers(model, torch.device(device), dtype)
         if keep:
@@ -256,31 +280,32 @@ def empty_model(
 
 
 def load_model(
-    model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
+    model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+    layout: Layout | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Build the architecture named by config.json and stream the weights in (quantized to FP8 tensor by
-    tensor when `quantization="fp8"`, or when the checkpoint holds FP8 weights)."""
+    """Build the architecture named by config.json (this rank's part of it under a parallel `layout`) and
+    stream the weights in (quantized to FP8 tensor by tensor when `quantization="fp8"`, or when the checkpoint
+    holds FP8 weights)."""
     config = read_config(model_dir)
-    checkpoint_fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    quant_config = config.get("quantization_config") or {}
+    checkpoint_fp8 = quant_config.get("quant_method") == "fp8"
     if checkpoint_fp8 and quantization is None:
         log.info("%s holds FP8 weights: loading them as FP8 (row-wise scales)", model_dir)
         quantization = "fp8"
     try:
-        model = empty_model(config, device, dtype, quantization)
+        model = empty_model(config, device, dtype, quantization, layout)
     except ValueError as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     loader = WeightLoader(model)
+    fp8_block = tuple(quant_config.get("weight_block_size") or (128, 128)) if checkpoint_fp8 else None
     with torch.no_grad():
-        tensors = iter_checkpoint(safetensors_files(model_dir))
+        tensors = iter_checkpoint(safetensors_files(model_dir), model, fp8_block)
         if checkpoint_fp8:
-            tensors = dequantize_blockwise(tensors, config["quantization_config"])
+            tensors = dequantize_blockwise(tensors, quant_config)
         for name, tensor in tensors:
-            mapped = model.sanitize(name)
-            if mapped is None:
-                continue
             # A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections).
             split = getattr(model, "split_tensor", None)
-            for piece_name, piece in split(mapped, tensor) if split else [(mapped, tensor)]:
+            for piece_name, piece in split(name, tensor) if split else [(name, tensor)]:
                 loader.load(piece_name, piece)
     loader.check_complete()
     return model, config

@@ -3,17 +3,12 @@ Hugging Face block-wise FP8 checkpoints converted to row-wise."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from server.engine.engine import Engine
-from server.kernels.fp8 import FP8_DTYPE
 from server.models.quant import Fp8FusedExperts, LoadableFp8Linear, quantize_model
-from tests.helpers import ENGINE_KW, merged_state, random_ids
+from tests.helpers import ENGINE_KW, merged_state, random_ids, write_blockwise_fp8_checkpoint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -49,34 +44,9 @@ def test_fp8_weight_bytes(tiny_checkpoint):
     assert fp8.weight_bytes < 0.45 * full.weight_bytes
 
 
-def blockwise_quantize(weight: torch.Tensor, block: int):
-    rows, cols = weight.shape
-    scale = torch.empty(-(-rows // block), -(-cols // block))
-    q = torch.empty(weight.shape, dtype=FP8_DTYPE)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block]
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / 448.0
-            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale[i, j]).to(FP8_DTYPE)
-    return q, scale
-
-
 def test_huggingface_blockwise_fp8_checkpoint_loads(tiny_checkpoint, tmp_path):
     src, _ = tiny_checkpoint("llama")
-    path = tmp_path / "fp8"
-    shutil.copytree(src, path)
-    state = {}
-    for name, tensor in merged_state(src).items():
-        if name.endswith("proj.weight"):
-            state[name], state[name + "_scale_inv"] = blockwise_quantize(tensor, 32)
-        else:
-            state[name] = tensor
-    for file in path.glob("*.safetensors*"):
-        file.unlink()
-    save_file(state, str(path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32], "fmt": "e4m3"}
-    (path / "config.json").write_text(json.dumps(config))
+    path = write_blockwise_fp8_checkpoint(src, tmp_path / "fp8", 32)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW)  # FP8 detected from the config
     assert any(isinstance(m, LoadableFp8Linear) for m in engine.model.modules())
     original = merged_state(src)["model.layers.1.self_attn.o_proj.weight"]
