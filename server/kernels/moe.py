@@ -32,14 +32,15 @@ def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
 
     With renormalization the weights are the softmax of the k winning logits, which equals the full softmax
     renormalized over them, and costs no softmax over all E nor a separate sum of the winners."""
-    logits = router_logits.float()  # [T, E]
     # Unsorted: slot order only changes the fp32 summation order, and sorting the k winners costs a kernel of
-    # its own per layer.
+    # its own per layer. The winners are picked in the logits' own dtype (widening to fp32 keeps their order and
+    # would cost a kernel of its own).
     if renormalize:
-        top_logits, expert_ids = torch.topk(logits, top_k, dim=-1, sorted=False)
-        weights = torch.softmax(top_logits, dim=-1)
+        top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1, sorted=False)
+        weights = torch.softmax(top_logits.float(), dim=-1)
     else:
-        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1, sorted=False)
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
+        weights, expert_ids = torch.topk(probs, top_k, dim=-1, sorted=False)
     return weights.to(router_logits.dtype), expert_ids
 
 
