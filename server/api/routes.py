@@ -27,6 +27,7 @@ from server.api.generation import Generation, submit_choices
 from server.api.json_checks import check_json_body
 from server.api.messages import template_messages
 from server.api.metrics import CONTENT_TYPE
+from server.api.offload import input_chars
 from server.api.reasoning import prompt_opens_reasoning
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.sse import SSEResponse, run_until_disconnect
@@ -106,6 +107,7 @@ async def _start(
     try:
         choices = await submit_choices(
             engine, prompts, params, n=n, request_id=request_id, max_waiting=state.config.max_waiting_requests,
+            offloader=state.offloader,
         )
     except Exception as exc:
         err = from_engine_error(exc, about_input=True)
@@ -157,8 +159,10 @@ async def chat_completions(request: Request) -> Response:
     _validate(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
-        prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                                    **template_kwargs)
+        prompt = await state.offloader.run(
+            input_chars(messages) + input_chars(tools), engine.render_chat, messages, tools=tools,
+            add_generation_prompt=req.add_generation_prompt, **template_kwargs,
+        )
     except Exception as exc:
         raise from_engine_error(exc, about_input=True) from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -114,6 +114,8 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._num_pending = 0  # submitted but not yet taken by the engine thread (both threads update it)
         self._pending_lock = threading.Lock()
+        # where handles deliver: the loop start() ran on, so submit() may also run on a worker thread
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256) -> AsyncEngine:
@@ -137,7 +139,7 @@ class AsyncEngine:
         if request_id is not None and request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
-        handle = AsyncRequestHandle(self, request, asyncio.get_running_loop())
+        handle = AsyncRequestHandle(self, request, self._event_loop or asyncio.get_running_loop())
         self._handles[request.request_id] = handle
         with self._pending_lock:
             self._num_pending += 1
@@ -190,6 +192,7 @@ class AsyncEngine:
         return self._stats
 
     async def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
         self.start_thread()
 
     def start_thread(self) -> None:

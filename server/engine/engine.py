@@ -123,19 +123,14 @@ class Engine:
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Tokenize and validate; raises InvalidRequestError / ContextLengthExceededError."""
         params.validate(self.vocab_size)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
-            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
-        else:
-            prompt_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+        prompt_ids = self._prompt_ids(prompt)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
+            num_tokens = len(prompt_ids)
+            # the exception's traceback keeps this frame: without the list in it, a refusal retains no tokens
+            del prompt_ids
+            raise ContextLengthExceededError(num_tokens, self.max_model_len)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:
             stop_ids |= set(self.tokenizer.eos_token_ids)
@@ -148,6 +143,23 @@ class Engine:
             stop_token_ids=frozenset(stop_ids),
             max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
         )
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt; one that cannot fit is refused on its length alone, before tokenizing."""
+        if not isinstance(prompt, str):
+            if len(prompt) >= self.max_model_len:
+                raise ContextLengthExceededError(len(prompt), self.max_model_len)
+            prompt_ids = [int(t) for t in prompt]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size][:5]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids {bad} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+            return prompt_ids
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
+        min_tokens = self.tokenizer.min_num_tokens(prompt)
+        if min_tokens >= self.max_model_len:
+            raise ContextLengthExceededError(min_tokens, self.max_model_len, at_least=True)
+        return self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add(request)  # first: it refuses an id in use before that request's text is touched

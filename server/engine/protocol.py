@@ -37,11 +37,13 @@ class ServingEngine(Protocol):
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts)."""
+        """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts).
+        Thread-safe: the HTTP layer renders large conversations on a worker thread."""
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a request. Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
-        synchronously, before anything is streamed."""
+        synchronously, before anything is streamed. Thread-safe once start() ran: the HTTP layer tokenizes large
+        prompts on a worker thread."""
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

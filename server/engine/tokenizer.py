@@ -32,6 +32,13 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning arrives under; transformers copies it to all of them before rendering.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Normalizers and pre-tokenizers that keep every character of the text: they may compose, expand or re-split it,
+# never drop it. With only these, each character ends up inside some token.
+_CHAR_KEEPING_STEPS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Sequence", "ByteLevel", "Metaspace",
+                       "Digits", "Split", "Punctuation", "UnicodeScripts", "Replace"}
+# Unicode composition merges at most three code points into one (a Hangul syllable), so a token spans at most
+# this many times its own length of input characters.
+_COMPOSITION_FACTOR = 4
 
 
 class Tokenizer:
@@ -61,6 +68,13 @@ class Tokenizer:
         self._unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()} if self._byte_level else {}
         self._env = _sandboxed_environment()
         self._compiled: dict[str, jinja2.Template] = {}
+        self.max_chars_per_token = _max_chars_per_token(backend)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs no tokenization: 0 when this tokenizer can drop text."""
+        if self.max_chars_per_token is None:
+            return 0
+        return -(-len(text) // self.max_chars_per_token)
 
     # ------------------------------------------------------------------ loading
 
@@ -271,6 +285,37 @@ def _load_chat_template(model_dir: Path, config: dict) -> str | dict[str, str] |
     if isinstance(template, list):  # the older named-templates form: [{"name": ..., "template": ...}]
         return {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t}
     return template if isinstance(template, str) else None
+
+
+def _max_chars_per_token(backend: BackendTokenizer) -> int | None:
+    """Input characters one token can stand for at most, or None when some text may map to no token at all
+    (whitespace-dropping pre-tokenizers, stripping normalizers, an unknown token fused over a run of text)."""
+    steps = [_component_state(backend.normalizer), _component_state(backend.pre_tokenizer)]
+    if not all(_keeps_every_char(step) for step in steps):
+        return None
+    model = json.loads(backend.model.__getstate__())
+    covers_unknown = model.get("unk_token") is None or model.get("byte_fallback") or not model.get("fuse_unk")
+    if model.get("type") not in ("BPE", "Unigram") or not covers_unknown:
+        return None
+    longest = max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+    return _COMPOSITION_FACTOR * longest
+
+
+def _component_state(component: Any) -> dict | None:
+    return json.loads(component.__getstate__()) if component is not None else None
+
+
+def _keeps_every_char(step: dict | None) -> bool:
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind not in _CHAR_KEEPING_STEPS or step.get("behavior") == "Removed":
+        return False
+    if kind == "Replace":  # keeps the length only when no pattern is replaced by something shorter
+        pattern = step.get("pattern", {}).get("String")
+        return pattern is not None and len(step.get("content", "")) >= len(pattern)
+    parts = step.get("normalizers") or step.get("pretokenizers") or []
+    return all(_keeps_every_char(part) for part in parts)
 
 
 def _byte_fallback(token: str) -> bytes | None:
