@@ -31,7 +31,23 @@ class Offloader:
             return function(*args, **kwargs)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.num_workers)
-        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), limiter=self._limiter)
+        call = functools.partial(_outcome, function, args, kwargs)
+        result, error = await anyio.to_thread.run_sync(call, limiter=self._limiter)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # this frame joins the error's traceback: holding the error too would make a cycle
+        return result
+
+
+def _outcome(function: Callable[..., T], args: tuple, kwargs: dict) -> tuple[T | None, Exception | None]:
+    """The error comes back as a value: raised through anyio's future, it would stay in a reference cycle with
+    that future (and keep the request's text and tokens alive until a full collection)."""
+    try:
+        return function(*args, **kwargs), None
+    except Exception as exc:
+        return None, exc
 
 
 def input_chars(value: Any) -> int:

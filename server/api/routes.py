@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from server.api.errors import APIError, from_engine_error, validation_error
+from server.api.errors import APIError, from_engine_error, validation_error, with_param_names
 from server.api.generation import Generation, submit_choices
 from server.api.json_checks import check_json_body
 from server.api.messages import template_messages
@@ -34,7 +34,7 @@ from server.api.sse import SSEResponse, run_until_disconnect
 from server.api.state import ServingState
 from server.api.streaming import ResponseContext, collect_chat, collect_completion, stream_chat, stream_completion
 from server.engine.protocol import ServingEngine
-from server.engine.types import ContextLengthExceededError, InvalidRequestError, SamplingParams
+from server.engine.types import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("mps_serve.api")
 router = APIRouter()
@@ -88,9 +88,7 @@ def _validate(params: SamplingParams, renamed: dict[str, str] | None = None) -> 
     try:
         params.validate()
     except InvalidRequestError as exc:
-        err = from_engine_error(exc)
-        err.param = (renamed or {}).get(err.param, err.param)
-        raise err from None
+        raise with_param_names(from_engine_error(exc), renamed or {}) from None
 
 
 async def _start(
@@ -110,10 +108,9 @@ async def _start(
             offloader=state.offloader,
         )
     except Exception as exc:
-        err = from_engine_error(exc, about_input=True)
-        if isinstance(exc, ContextLengthExceededError):
-            err.param = prompt_param
-        raise err from None
+        # the prompt is `messages` or `prompt`, whichever the request sent
+        names = {"messages": prompt_param, "prompt": prompt_param}
+        raise with_param_names(from_engine_error(exc, about_input=True), names) from None
     generation = Generation(choices, state.metrics, started_at)
     state.active.add(generation)
     logger.info("%s: %d choice(s), %d prompt tokens", request_id, len(choices), choices[0].prompt_tokens)
