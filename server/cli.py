@@ -27,6 +27,8 @@ def _add_model_args(parser: argparse.ArgumentParser, model_required: bool) -> No
     parser.add_argument("--quantize", choices=["none", "fp8"], default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads of torch's CPU ops (default: half the cores, at most 8)")
     parser.add_argument("--config", default=None,
                         help="TOML file with [engine] and [server] tables (see server/configs/)")
 
@@ -39,6 +41,7 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "quantization": args.quantize,  # "none" overrides a config file's fp8; EngineConfig normalizes it
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
+        "cpu_threads": args.cpu_threads,
     }
 
 

@@ -30,6 +30,7 @@ class EngineConfig:
     # on CUDA for bf16/fp16 attention-only models, where compiling makes prefill faster; elsewhere eager
     compile_prefill: bool | None = None
     revision: str | None = None
+    cpu_threads: int | None = None  # torch's intra-op threads; None: half the cores, at most 8 (engine/threads.py)
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -38,6 +39,8 @@ class EngineConfig:
             object.__setattr__(self, "quantization", None)
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
 
 
 COMPILE_MODES = ("auto", "on", "off")

@@ -26,6 +26,7 @@ from server.engine.model_runner import ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler, SchedulerOutput
+from server.engine.threads import apply_cpu_threads
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     ChatPrompt,
@@ -77,6 +78,7 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        apply_cpu_threads(config.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config)
         return cls(model, tokenizer, config, device, dtype, max_model_len, config.model)
 
