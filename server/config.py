@@ -59,6 +59,8 @@ class ServerConfig:
     reasoning_field: str = "reasoning_content"  # or "reasoning"
     keepalive_interval_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGINT/SIGTERM, in-flight streams get this long to finish
+    header_timeout_s: float = 30.0  # a connection's request head must be complete this long after it opens
+    body_timeout_s: float = 30.0  # longest pause between two reads of a request body (408 after it)
     # compile the decode step beside serving from the start (Engine.compile_in_background); False: on first use
     warmup: bool = True
     log_level: str = "info"

@@ -17,6 +17,7 @@ from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware
 from server.api.routes import router
 from server.api.state import ServingState
+from server.api.timeouts import BodyTimeoutMiddleware
 from server.config import ServerConfig
 from server.engine.protocol import ServingEngine
 
@@ -41,8 +42,9 @@ def create_app(
     app.state.serving = state
     install_error_handlers(app)
     app.include_router(router)
-    # add_middleware puts each new one outermost: auth, then CORS around it (so 401s carry CORS headers
-    # and preflights pass), then status counting around everything.
+    app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
+    # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry
+    # CORS headers and preflights pass), then status counting around everything.
     if server_config.api_key:
         app.add_middleware(AuthMiddleware, api_key=server_config.api_key)
     if server_config.allowed_origins:
