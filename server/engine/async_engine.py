@@ -27,6 +27,7 @@ from server.engine.types import (
     InvalidRequestError,
     QueueFullError,
     SamplingParams,
+    StepFailedError,
     StreamDelta,
 )
 
@@ -223,6 +224,10 @@ class AsyncEngine:
                 continue
             try:
                 deltas = engine.step()
+            except StepFailedError as exc:  # only that step's requests fail; the engine serves on
+                log.error("engine step failed; ending its %d request(s)", len(exc.request_ids), exc_info=exc.__cause__)
+                self._fail(exc.request_ids, exc)
+                continue
             except Exception as exc:  # a device failure must not leave clients hanging
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(EngineError(f"the engine failed while generating: {exc}"))
@@ -279,7 +284,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id, handle in list(self._handles.items()):
+        self._fail(list(self._handles), exc)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        """End these requests in the engine; each client gets `exc`'s message under its own request id."""
+        for request_id in request_ids:
             self.engine.abort(request_id)
-            handle.push(exc)
-        self._handles.clear()
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle.push(EngineError(f"request {request_id}: {exc}"))

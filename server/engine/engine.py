@@ -35,6 +35,7 @@ from server.engine.types import (
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
+    StepFailedError,
     StreamDelta,
 )
 from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
@@ -186,6 +187,12 @@ class Engine:
         if self._compiled_runner is not None and self.runner is not self._compiled_runner and self._background.state == "ready":
             self._move_to_compiled_runner()
         out = self.scheduler.schedule()
+        try:
+            return self._run_step(out)
+        except Exception as exc:
+            raise self._abandon_step(out, exc) from exc
+
+    def _run_step(self, out: SchedulerOutput) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []
         if self._in_flight is not None and self._needs_known_tokens(out):
             deltas += self._complete(self._in_flight)
@@ -199,6 +206,16 @@ class Engine:
             deltas += self._complete(self._in_flight)
         self._in_flight = launched
         return deltas
+
+    def _abandon_step(self, out: SchedulerOutput, exc: Exception) -> StepFailedError:
+        """A step raised: end the requests it held and those of the step still in flight (their tokens are lost),
+        freeing their blocks; the others keep their state and go on with the next step."""
+        steps = [out] if self._in_flight is None else [out, self._in_flight.out]
+        self._in_flight = None
+        request_ids = list(dict.fromkeys(c.request.request_id for step in steps for c in step.chunks))
+        for request_id in request_ids:
+            self.abort(request_id)
+        return StepFailedError(request_ids, exc)
 
     @staticmethod
     def _needs_known_tokens(out: SchedulerOutput) -> bool:

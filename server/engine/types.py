@@ -49,6 +49,14 @@ class QueueFullError(EngineError):
         self.retry_after_s = retry_after_s
 
 
+class StepFailedError(EngineError):
+    """One engine step raised: the requests it held are ended (their blocks freed); the engine serves on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine failed in a step ({type(cause).__name__}: {cause})")
+        self.request_ids = request_ids
+
+
 class ModelLoadError(EngineError):
     """A checkpoint could not be found or loaded; the message names the file or tensor."""
 
