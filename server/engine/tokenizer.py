@@ -3,13 +3,17 @@ rendered in a sandboxed jinja2 environment exactly as transformers' `apply_chat_
 and the EOS ids gathered from every config file that declares them.
 
 Chat templates come from the Hub and are untrusted code: they run in jinja2's ImmutableSandboxedEnvironment
-and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the caller's objects.
+and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the caller's objects. A render
+is stopped past RENDER_TIME_LIMIT_S (a line-level trace of the template's own code checks the clock, so even a
+loop that calls nothing is stopped) and may not build huge strings or numbers with `*` and `**`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -39,6 +43,10 @@ _CHAR_KEEPING_STEPS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Se
 # Unicode composition merges at most three code points into one (a Hangul syllable), so a token spans at most
 # this many times its own length of input characters.
 _COMPOSITION_FACTOR = 4
+RENDER_TIME_LIMIT_S = 10.0  # real templates render in milliseconds, even for conversations of megabytes
+MAX_TEMPLATE_PRODUCT_LEN = 1 << 24  # items of a string or list a template may build with `*`
+MAX_TEMPLATE_EXPONENT = 1 << 10
+_TEMPLATE_FILENAME = "<template>"  # what jinja compiles templates from strings as
 
 
 class Tokenizer:
@@ -69,6 +77,7 @@ class Tokenizer:
         self._env = _sandboxed_environment()
         self._compiled: dict[str, jinja2.Template] = {}
         self.max_chars_per_token = _max_chars_per_token(backend)
+        self.render_time_limit_s = RENDER_TIME_LIMIT_S
 
     def min_num_tokens(self, text: str) -> int:
         """A lower bound on len(encode(text)) that costs no tokenization: 0 when this tokenizer can drop text."""
@@ -192,13 +201,25 @@ class Tokenizer:
         variables = _plain({**self.special_tokens, **template_kwargs})
         documents = variables.pop("documents", None)
         try:
-            return template.render(
+            return _render_within(
+                template,
+                self.render_time_limit_s,
                 messages=chat,
                 tools=tools,
                 documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+        # the template's own failures are deterministic: a 4xx, which clients do not retry
+        except jinja2.exceptions.SecurityError as exc:
+            raise InvalidRequestError(f"The model's chat template did what its sandbox forbids and was stopped: {exc}",
+                                      param="messages") from None
+        except _RenderTimeout:
+            raise InvalidRequestError(f"The model's chat template ran longer than {self.render_time_limit_s:g} s and "
+                                      "was stopped; it may loop without end.", param="messages") from None
+        except RecursionError:
+            raise InvalidRequestError("The model's chat template recursed without end and was stopped.",
+                                      param="messages") from None
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"The chat template rejected this request: {exc}", param="messages") from exc
         except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
@@ -343,6 +364,48 @@ def _bytes_to_unicode() -> dict[int, str]:
 # ---------------------------------------------------------------------- template environment and data
 
 
+class _RenderTimeout(Exception):
+    """Raised into a template's frame when its render runs out of time."""
+
+
+def _render_within(template: jinja2.Template, limit_s: float, **variables: Any) -> str:
+    """template.render(), stopped by _RenderTimeout past `limit_s`: the template's compiled code is traced line by
+    line on this thread (other code is not traced) and each line checks the clock."""
+    deadline = time.monotonic() + limit_s
+
+    def on_template_line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _RenderTimeout
+        return on_template_line
+
+    def on_call(frame, event, arg):
+        return on_template_line if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return template.render(**variables)
+    finally:
+        sys.settrace(previous)
+
+
+class _TemplateSandbox(ImmutableSandboxedEnvironment):
+    """Also bounds `*` and `**`: one expression could otherwise allocate gigabytes or compute for minutes inside a
+    single operation, where no time check can reach."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**":
+            if isinstance(right, int | float) and abs(right) > MAX_TEMPLATE_EXPONENT:
+                raise jinja2.exceptions.SecurityError(f"exponent {right} is too large for a chat template")
+            return left**right
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_PRODUCT_LEN:
+                raise jinja2.exceptions.SecurityError("a chat template may not build a sequence that long")
+        return left * right
+
+
 def _sandboxed_environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers builds for chat templates, with the same globals and filters."""
 
@@ -356,7 +419,7 @@ def _sandboxed_environment() -> ImmutableSandboxedEnvironment:
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
