@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware
+from server.api.openapi import install_openapi
 from server.api.routes import router
 from server.api.state import ServingState
 from server.api.timeouts import BodyTimeoutMiddleware
@@ -41,6 +42,7 @@ def create_app(
     app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(router)
     app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
     # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry

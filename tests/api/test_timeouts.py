@@ -44,6 +44,18 @@ def _read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
     return data, time.monotonic() - start
 
 
+def _read_response(sock: socket.socket) -> bytes:
+    """One whole response with a Content-Length (the connection stays open)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
 def _head(path: str = "/v1/chat/completions", length: int = len(BODY)) -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
@@ -67,8 +79,7 @@ def test_the_deadline_restarts_after_each_response_on_a_kept_alive_connection(sr
         for _ in range(2):  # each request well inside the deadline, the pair past it
             time.sleep(TIMEOUT_S * 0.6)
             sock.sendall(_head() + BODY)
-            response = sock.recv(65536)
-            assert response.startswith(b"HTTP/1.1 200"), response
+            assert _read_response(sock).startswith(b"HTTP/1.1 200")
         sock.sendall(_head()[:30])
         data, _ = _read_until_closed(sock)
     assert b"HTTP/1.1" not in data
