@@ -3,29 +3,23 @@ rendered in a sandboxed jinja2 environment exactly as transformers' `apply_chat_
 and the EOS ids gathered from every config file that declares them.
 
 Chat templates come from the Hub and are untrusted code: they run in jinja2's ImmutableSandboxedEnvironment
-and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the caller's objects. A render
-is stopped past RENDER_TIME_LIMIT_S (a line-level trace of the template's own code checks the clock, so even a
-loop that calls nothing is stopped) and may not build huge strings or numbers with `*` and `**`.
+(template_sandbox.py) and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the
+caller's objects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import time
 from collections.abc import Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as BackendTokenizer
 
+from server.engine.template_sandbox import RENDER_TIME_LIMIT_S, RenderTimeout, render_within, sandboxed_environment
 from server.engine.types import InvalidRequestError, ModelLoadError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -43,10 +37,6 @@ _CHAR_KEEPING_STEPS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Se
 # Unicode composition merges at most three code points into one (a Hangul syllable), so a token spans at most
 # this many times its own length of input characters.
 _COMPOSITION_FACTOR = 4
-RENDER_TIME_LIMIT_S = 10.0  # real templates render in milliseconds, even for conversations of megabytes
-MAX_TEMPLATE_PRODUCT_LEN = 1 << 24  # items of a string or list a template may build with `*`
-MAX_TEMPLATE_EXPONENT = 1 << 10
-_TEMPLATE_FILENAME = "<template>"  # what jinja compiles templates from strings as
 
 
 class Tokenizer:
@@ -74,7 +64,7 @@ class Tokenizer:
         self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()} if self._byte_level else {}
-        self._env = _sandboxed_environment()
+        self._env = sandboxed_environment()
         self._compiled: dict[str, jinja2.Template] = {}
         self.max_chars_per_token = _max_chars_per_token(backend)
         self.render_time_limit_s = RENDER_TIME_LIMIT_S
@@ -201,7 +191,7 @@ class Tokenizer:
         variables = _plain({**self.special_tokens, **template_kwargs})
         documents = variables.pop("documents", None)
         try:
-            return _render_within(
+            return render_within(
                 template,
                 self.render_time_limit_s,
                 messages=chat,
@@ -214,7 +204,7 @@ class Tokenizer:
         except jinja2.exceptions.SecurityError as exc:
             raise InvalidRequestError(f"The model's chat template did what its sandbox forbids and was stopped: {exc}",
                                       param="messages") from None
-        except _RenderTimeout:
+        except RenderTimeout:
             raise InvalidRequestError(f"The model's chat template ran longer than {self.render_time_limit_s:g} s and "
                                       "was stopped; it may loop without end.", param="messages") from None
         except RecursionError:
@@ -361,101 +351,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-# ---------------------------------------------------------------------- template environment and data
-
-
-class _RenderTimeout(Exception):
-    """Raised into a template's frame when its render runs out of time."""
-
-
-def _render_within(template: jinja2.Template, limit_s: float, **variables: Any) -> str:
-    """template.render(), stopped by _RenderTimeout past `limit_s`: the template's compiled code is traced line by
-    line on this thread (other code is not traced) and each line checks the clock."""
-    deadline = time.monotonic() + limit_s
-
-    def on_template_line(frame, event, arg):
-        if time.monotonic() > deadline:
-            raise _RenderTimeout
-        return on_template_line
-
-    def on_call(frame, event, arg):
-        return on_template_line if frame.f_code.co_filename == _TEMPLATE_FILENAME else None
-
-    previous = sys.gettrace()
-    sys.settrace(on_call)
-    try:
-        return template.render(**variables)
-    finally:
-        sys.settrace(previous)
-
-
-class _TemplateSandbox(ImmutableSandboxedEnvironment):
-    """Also bounds `*` and `**`: one expression could otherwise allocate gigabytes or compute for minutes inside a
-    single operation, where no time check can reach."""
-
-    intercepted_binops = frozenset({"*", "**"})
-
-    def call_binop(self, context, operator, left, right):
-        if operator == "**":
-            if isinstance(right, int | float) and abs(right) > MAX_TEMPLATE_EXPONENT:
-                raise jinja2.exceptions.SecurityError(f"exponent {right} is too large for a chat template")
-            return left**right
-        for seq, times in ((left, right), (right, left)):
-            if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > MAX_TEMPLATE_PRODUCT_LEN:
-                raise jinja2.exceptions.SecurityError("a chat template may not build a sequence that long")
-        return left * right
-
-
-def _sandboxed_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers builds for chat templates, with the same globals and filters."""
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps output.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = _TemplateSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-class _TemplateDict:
-    """`dict(...)` for templates without exposing the dict type itself (no `dict.__subclasses__` tricks)."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's namespace() that refuses underscore names, so templates cannot reach interpreter internals."""
-
-    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja's Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set the namespace attribute {name!r}.")
+# ---------------------------------------------------------------------- template data
 
 
 def _prepare_message(message: Any) -> dict:
