@@ -40,6 +40,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
                         help=f"sequences decoded together (default: {ENGINE_DEFAULTS.max_num_seqs})")
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="threads of torch's CPU ops (default: half the cores the process may use, at most 8)")
     parser.add_argument("--config", default=None,
                         help="TOML file with [engine] and [server] tables; flags override it (default: none; "
                              "server/configs/default.toml is an example)")
@@ -65,6 +67,7 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "max_num_seqs": args.max_num_seqs,
         "tensor_parallel": args.tensor_parallel,
         "pipeline_parallel": args.pipeline_parallel,
+        "cpu_threads": args.cpu_threads,
     }
 
 

@@ -35,6 +35,7 @@ class EngineConfig:
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     distributed_timeout_s: float = 300.0  # a collective of a step waits this long for a hung rank
+    cpu_threads: int | None = None  # torch's intra-op threads; None: half the cores, at most 8 (engine/threads.py)
 
     def __post_init__(self) -> None:
         if self.compile not in COMPILE_MODES:
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError("tensor_parallel and pipeline_parallel count processes: at least 1")
         if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
             raise ValueError("use tensor parallel or pipeline parallel, not both at once")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
 
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -65,6 +68,8 @@ class ServerConfig:
     reasoning_field: str = "reasoning_content"  # or "reasoning"
     keepalive_interval_s: float = 5.0
     shutdown_grace_s: float = 30.0  # on SIGINT/SIGTERM, in-flight streams get this long to finish
+    header_timeout_s: float = 30.0  # a connection's request head must be complete this long after it opens
+    body_timeout_s: float = 30.0  # longest pause between two reads of a request body (408 after it)
     # compile the decode step beside serving from the start (Engine.compile_in_background); False: on first use
     warmup: bool = True
     log_level: str = "info"

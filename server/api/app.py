@@ -16,8 +16,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from server.api import anthropic_routes, embeddings, responses_routes
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
+from server.api.openapi import install_openapi
 from server.api.routes import router
 from server.api.state import ServingState
+from server.api.timeouts import BodyTimeoutMiddleware
 from server.config import ServerConfig
 from server.engine.protocol import ServingEngine
 
@@ -41,12 +43,15 @@ def create_app(
     app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
     install_error_handlers(app)
+    install_openapi(app)
     app.include_router(router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(embeddings.router)
-    # add_middleware puts each new one outermost: auth, then CORS around it (so 401s carry CORS headers
-    # and preflights pass), then status counting, then the unversioned paths' rewrite around everything.
+    app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
+    # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry
+    # CORS headers and preflights pass), then status counting, then the unversioned paths' rewrite around
+    # everything.
     if server_config.api_key:
         app.add_middleware(AuthMiddleware, api_key=server_config.api_key)
     if server_config.allowed_origins:

@@ -85,6 +85,14 @@ def from_engine_error(exc: Exception, *, about_input: bool = False) -> APIError:
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")
 
 
+def with_param_names(err: APIError, names: dict[str | None, str]) -> APIError:
+    """`err` with its param spelled as the request spelled it. Raise the result straight from the call: an error
+    bound to a local of the raising frame holds that frame (and the request in it) in a reference cycle, alive
+    until a full collection."""
+    err.param = names.get(err.param, err.param)
+    return err
+
+
 def _is_template_error(exc: Exception) -> bool:
     try:
         from jinja2 import TemplateError

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import anyio
 
 from server.api.metrics import Metrics
+from server.api.offload import Offloader, input_chars
 from server.engine.protocol import RequestHandle, ServingEngine
 from server.engine.types import QueueFullError, SamplingParams, StreamDelta
 
@@ -42,6 +43,7 @@ async def submit_choices(
     n: int,
     request_id: str,
     max_waiting: int,
+    offloader: Offloader,
 ) -> list[Choice]:
     """Submit n requests per prompt; on any failure the ones already queued are aborted and it re-raises."""
     num_new = len(prompts) * n
@@ -55,7 +57,7 @@ async def submit_choices(
                 # seeded n>1 choices differ from each other yet stay reproducible
                 choice_params = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
                 rid = request_id if num_new == 1 else f"{request_id}-{len(choices)}"
-                handle = engine.submit(prompt, choice_params, request_id=rid)
+                handle = await offloader.run(input_chars(prompt), engine.submit, prompt, choice_params, request_id=rid)
                 choices.append(Choice(len(choices), prompt_index, handle, prompt_tokens=handle.prompt_tokens))
     except BaseException:
         with anyio.CancelScope(shield=True):

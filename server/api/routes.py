@@ -23,11 +23,12 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from server.api.errors import APIError, from_engine_error, validation_error
+from server.api.errors import APIError, from_engine_error, validation_error, with_param_names
 from server.api.generation import Generation, submit_choices
 from server.api.json_checks import check_json_body
 from server.api.messages import template_messages
 from server.api.metrics import CONTENT_TYPE
+from server.api.offload import input_chars
 from server.api.reasoning import prompt_opens_reasoning
 from server.api.schemas import ChatCompletionRequest, CompletionRequest
 from server.api.sse import SSEResponse, run_until_disconnect
@@ -35,7 +36,7 @@ from server.api.state import ServingState
 from server.api.streaming import ResponseContext, collect_chat, collect_completion, stream_chat, stream_completion
 from server.api.structured import chat_constraint, response_format_output
 from server.engine.protocol import ServingEngine
-from server.engine.types import ContextLengthExceededError, InvalidRequestError, SamplingParams
+from server.engine.types import InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("mps_serve.api")
 router = APIRouter()
@@ -89,9 +90,7 @@ def validate_params(params: SamplingParams, renamed: dict[str, str] | None = Non
     try:
         params.validate()
     except InvalidRequestError as exc:
-        err = from_engine_error(exc)
-        err.param = (renamed or {}).get(err.param, err.param)
-        raise err from None
+        raise with_param_names(from_engine_error(exc), renamed or {}) from None
 
 
 async def start_generation(
@@ -108,12 +107,12 @@ async def start_generation(
     try:
         choices = await submit_choices(
             engine, prompts, params, n=n, request_id=request_id, max_waiting=state.config.max_waiting_requests,
+            offloader=state.offloader,
         )
     except Exception as exc:
-        err = from_engine_error(exc, about_input=True)
-        if isinstance(exc, ContextLengthExceededError):
-            err.param = prompt_param
-        raise err from None
+        # the prompt is `messages` or `prompt`, whichever the request sent
+        names = {"messages": prompt_param, "prompt": prompt_param}
+        raise with_param_names(from_engine_error(exc, about_input=True), names) from None
     generation = Generation(choices, state.metrics, started_at)
     state.active.add(generation)
     logger.info("%s: %d choice(s), %d prompt tokens", request_id, len(choices), choices[0].prompt_tokens)
@@ -159,8 +158,10 @@ async def chat_completions(request: Request) -> Response:
     validate_params(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
     template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
-        prompt = engine.render_chat(messages, tools=tools, add_generation_prompt=req.add_generation_prompt,
-                                    **template_kwargs)
+        prompt = await state.offloader.run(
+            input_chars(messages) + input_chars(tools), engine.render_chat, messages, tools=tools,
+            add_generation_prompt=req.add_generation_prompt, **template_kwargs,
+        )
     except Exception as exc:
         raise from_engine_error(exc, about_input=True) from None
     params.structured = chat_constraint(req, tools, prompt)

@@ -14,12 +14,14 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Generator
+from typing import Any
 
 import uvicorn
 
 from server.api.app import create_app, serving_state
 from server.api.state import ServingState
-from server.config import Config
+from server.api.timeouts import header_deadline_protocol
+from server.config import Config, ServerConfig
 from server.engine.protocol import ServingEngine
 
 logger = logging.getLogger("mps_serve.api")
@@ -68,6 +70,13 @@ class _Server(uvicorn.Server):
         await self._state.abort_all()
 
 
+def uvicorn_config(app: Any, server_config: ServerConfig, **overrides: Any) -> uvicorn.Config:
+    """uvicorn's settings for `app`: address and log level from the config, the request-head deadline."""
+    settings = {"host": server_config.host, "port": server_config.port, "log_level": server_config.log_level.lower(),
+                "lifespan": "on", "http": header_deadline_protocol(server_config.header_timeout_s), **overrides}
+    return uvicorn.Config(app, **settings)
+
+
 def run_server(
     config: Config,
     engine_factory: Callable[[], ServingEngine],
@@ -98,14 +107,7 @@ def run_server(
     def start_loading(loop: asyncio.AbstractEventLoop) -> None:
         threading.Thread(target=load_engine, args=(loop,), name="mps-serve-load", daemon=True).start()
 
-    uv_config = uvicorn.Config(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level.lower(),
-        lifespan="on",
-        timeout_graceful_shutdown=grace_s + _BACKSTOP_S,
-    )
+    uv_config = uvicorn_config(app, config.server, timeout_graceful_shutdown=grace_s + _BACKSTOP_S)
     server = _Server(uv_config, state, grace_s, start_loading)
     try:
         server.run()

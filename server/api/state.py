@@ -9,6 +9,7 @@ from importlib import metadata
 from server.api.errors import APIError
 from server.api.generation import Generation
 from server.api.metrics import Metrics
+from server.api.offload import Offloader
 from server.config import ServerConfig
 from server.engine.protocol import ServingEngine
 from server.engine.types import EngineStats
@@ -32,6 +33,7 @@ class ServingState:
         self.system_fingerprint = f"fp_mps_serve_{_version()}"
         self.active: set[Generation] = set()
         self.metrics = Metrics(self.read_stats)
+        self.offloader = Offloader()
         self._model_name = model_name
 
     @property

@@ -27,6 +27,7 @@ from server.engine.types import (
     InvalidRequestError,
     QueueFullError,
     SamplingParams,
+    StepFailedError,
     StreamDelta,
 )
 
@@ -114,6 +115,8 @@ class AsyncEngine:
         self._stats = EngineStats()
         self._num_pending = 0  # submitted but not yet taken by the engine thread (both threads update it)
         self._pending_lock = threading.Lock()
+        # where handles deliver: the loop start() ran on, so submit() may also run on a worker thread
+        self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256) -> AsyncEngine:
@@ -144,7 +147,7 @@ class AsyncEngine:
         if request_id is not None and request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
-        handle = AsyncRequestHandle(self, request, asyncio.get_running_loop())
+        handle = AsyncRequestHandle(self, request, self._event_loop or asyncio.get_running_loop())
         self._handles[request.request_id] = handle
         with self._pending_lock:
             self._num_pending += 1
@@ -198,6 +201,7 @@ class AsyncEngine:
         return self._stats
 
     async def start(self) -> None:
+        self._event_loop = asyncio.get_running_loop()
         self.start_thread()
 
     def start_thread(self) -> None:
@@ -228,6 +232,10 @@ class AsyncEngine:
                 continue
             try:
                 deltas = engine.step()
+            except StepFailedError as exc:  # only that step's requests fail; the engine serves on
+                log.error("engine step failed; ending its %d request(s)", len(exc.request_ids), exc_info=exc.__cause__)
+                self._fail(exc.request_ids, exc)
+                continue
             except Exception as exc:  # a device failure must not leave clients hanging
                 log.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(EngineError(f"the engine failed while generating: {exc}"))
@@ -284,7 +292,12 @@ class AsyncEngine:
             loop.call_soon_threadsafe(put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id, handle in list(self._handles.items()):
+        self._fail(list(self._handles), exc)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        """End these requests in the engine; each client gets `exc`'s message under its own request id."""
+        for request_id in request_ids:
             self.engine.abort(request_id)
-            handle.push(exc)
-        self._handles.clear()
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle.push(EngineError(f"request {request_id}: {exc}"))

@@ -35,6 +35,7 @@ from server.engine.model_runner import ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
 from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from server.engine.threads import apply_cpu_threads
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     ChatPrompt,
@@ -43,6 +44,7 @@ from server.engine.types import (
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
+    StepFailedError,
     StreamDelta,
 )
 from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
@@ -93,6 +95,7 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        apply_cpu_threads(config.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
         if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
             from server.engine.distributed import BuildSpec, start_engine  # it builds Engines: imported late
 
@@ -148,7 +151,10 @@ class Engine:
         params.validate(self.vocab_size)
         prompt_ids = self.prompt_ids(prompt)
         if len(prompt_ids) >= self.max_model_len:
-            raise ContextLengthExceededError(len(prompt_ids), self.max_model_len)
+            num_tokens = len(prompt_ids)
+            # the exception's traceback keeps this frame: without the list in it, a refusal retains no tokens
+            del prompt_ids
+            raise ContextLengthExceededError(num_tokens, self.max_model_len)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:
@@ -165,14 +171,17 @@ class Engine:
         )
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
-        """The token ids of a prompt (text or ids); raises InvalidRequestError when empty or outside the vocab."""
+        """The token ids of a prompt (text or ids); one that cannot fit is refused on its length alone, before
+        tokenizing; raises InvalidRequestError when empty or outside the vocab."""
         if isinstance(prompt, str):
             prompt_ids = self.encode_prompt(prompt)
         else:
+            if len(prompt) >= self.max_model_len:
+                raise ContextLengthExceededError(len(prompt), self.max_model_len)
             prompt_ids = [int(t) for t in prompt]
-            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+            bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size][:5]
             if bad:
-                raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
+                raise InvalidRequestError(f"prompt token ids {bad} are outside the vocabulary [0, {self.vocab_size}).", param="prompt")
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty; send at least one token of text", param="prompt")
         return prompt_ids
@@ -181,6 +190,9 @@ class Engine:
         """Token ids of a text prompt; a ChatPrompt already holds its special tokens, so none are added."""
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
+        min_tokens = self.tokenizer.min_num_tokens(prompt)
+        if min_tokens >= self.max_model_len:
+            raise ContextLengthExceededError(min_tokens, self.max_model_len, at_least=True)
         return self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
 
     def add_request(self, request: Request) -> None:
@@ -206,6 +218,12 @@ class Engine:
         if self._compiled_runner is not None and self.runner is not self._compiled_runner and self._background.state == "ready":
             self._move_to_compiled_runner()
         out = self.scheduler.schedule()
+        try:
+            return self._run_step(out)
+        except Exception as exc:
+            raise self._abandon_step(out, exc) from exc
+
+    def _run_step(self, out: SchedulerOutput) -> list[StreamDelta]:
         deltas: list[StreamDelta] = []
         if self._in_flight is not None and self._needs_known_tokens(out):
             deltas += self._complete(self._in_flight)
@@ -259,6 +277,16 @@ class Engine:
             self._compile_failed = True
             self._compiled_runner = None  # a background compile's runner too: never moved to again
             return self.runner.launch(out, prev, token_bitmask)
+
+    def _abandon_step(self, out: SchedulerOutput, exc: Exception) -> StepFailedError:
+        """A step raised: end the requests it held and those of the step still in flight (their tokens are lost),
+        freeing their blocks; the others keep their state and go on with the next step."""
+        steps = [out] if self._in_flight is None else [out, self._in_flight.out]
+        self._in_flight = None
+        request_ids = list(dict.fromkeys(c.request.request_id for step in steps for c in step.chunks))
+        for request_id in request_ids:
+            self.abort(request_id)
+        return StepFailedError(request_ids, exc)
 
     @staticmethod
     def _needs_known_tokens(out: SchedulerOutput) -> bool:

@@ -37,7 +37,8 @@ class ServingEngine(Protocol):
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> str:
-        """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts)."""
+        """The model's chat template applied to OpenAI-style messages (tool-call arguments already dicts).
+        Thread-safe: the HTTP layer renders large conversations on a worker thread."""
 
     async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """(pooled embedding per prompt, number of prompt tokens). Raises InvalidRequestError when the model is
@@ -48,7 +49,8 @@ class ServingEngine(Protocol):
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a request. Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
-        synchronously, before anything is streamed."""
+        synchronously, before anything is streamed. Thread-safe once start() ran: the HTTP layer tokenizes large
+        prompts on a worker thread."""
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None

@@ -3,7 +3,8 @@ rendered in a sandboxed jinja2 environment exactly as transformers' `apply_chat_
 and the EOS ids gathered from every config file that declares them.
 
 Chat templates come from the Hub and are untrusted code: they run in jinja2's ImmutableSandboxedEnvironment
-and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the caller's objects.
+(template_sandbox.py) and only ever see plain JSON-like data (dicts, lists, strings, numbers), never the
+caller's objects.
 """
 
 from __future__ import annotations
@@ -11,17 +12,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders
 from tokenizers import Tokenizer as BackendTokenizer
 
+from server.engine.template_sandbox import RENDER_TIME_LIMIT_S, RenderTimeout, render_within, sandboxed_environment
 from server.engine.types import InvalidRequestError, ModelLoadError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -32,6 +30,13 @@ CHAT_TEMPLATE_DIR = "additional_chat_templates"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning arrives under; transformers copies it to all of them before rendering.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Normalizers and pre-tokenizers that keep every character of the text: they may compose, expand or re-split it,
+# never drop it. With only these, each character ends up inside some token.
+_CHAR_KEEPING_STEPS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend", "Sequence", "ByteLevel", "Metaspace",
+                       "Digits", "Split", "Punctuation", "UnicodeScripts", "Replace"}
+# Unicode composition merges at most three code points into one (a Hangul syllable), so a token spans at most
+# this many times its own length of input characters.
+_COMPOSITION_FACTOR = 4
 
 
 class Tokenizer:
@@ -59,8 +64,16 @@ class Tokenizer:
         self.special_token_ids = frozenset(i for i, tok in added.items() if tok.special)
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._unicode_to_byte = {c: b for b, c in _bytes_to_unicode().items()} if self._byte_level else {}
-        self._env = _sandboxed_environment()
+        self._env = sandboxed_environment()
         self._compiled: dict[str, jinja2.Template] = {}
+        self.max_chars_per_token = _max_chars_per_token(backend)
+        self.render_time_limit_s = RENDER_TIME_LIMIT_S
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) that costs no tokenization: 0 when this tokenizer can drop text."""
+        if self.max_chars_per_token is None:
+            return 0
+        return -(-len(text) // self.max_chars_per_token)
 
     # ------------------------------------------------------------------ loading
 
@@ -178,13 +191,25 @@ class Tokenizer:
         variables = _plain({**self.special_tokens, **template_kwargs})
         documents = variables.pop("documents", None)
         try:
-            return template.render(
+            return render_within(
+                template,
+                self.render_time_limit_s,
                 messages=chat,
                 tools=tools,
                 documents=documents,
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
+        # the template's own failures are deterministic: a 4xx, which clients do not retry
+        except jinja2.exceptions.SecurityError as exc:
+            raise InvalidRequestError(f"The model's chat template did what its sandbox forbids and was stopped: {exc}",
+                                      param="messages") from None
+        except RenderTimeout:
+            raise InvalidRequestError(f"The model's chat template ran longer than {self.render_time_limit_s:g} s and "
+                                      "was stopped; it may loop without end.", param="messages") from None
+        except RecursionError:
+            raise InvalidRequestError("The model's chat template recursed without end and was stopped.",
+                                      param="messages") from None
         except jinja2.TemplateError as exc:
             raise InvalidRequestError(f"The chat template rejected this request: {exc}", param="messages") from exc
         except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
@@ -273,6 +298,37 @@ def _load_chat_template(model_dir: Path, config: dict) -> str | dict[str, str] |
     return template if isinstance(template, str) else None
 
 
+def _max_chars_per_token(backend: BackendTokenizer) -> int | None:
+    """Input characters one token can stand for at most, or None when some text may map to no token at all
+    (whitespace-dropping pre-tokenizers, stripping normalizers, an unknown token fused over a run of text)."""
+    steps = [_component_state(backend.normalizer), _component_state(backend.pre_tokenizer)]
+    if not all(_keeps_every_char(step) for step in steps):
+        return None
+    model = json.loads(backend.model.__getstate__())
+    covers_unknown = model.get("unk_token") is None or model.get("byte_fallback") or not model.get("fuse_unk")
+    if model.get("type") not in ("BPE", "Unigram") or not covers_unknown:
+        return None
+    longest = max(len(token) for token in backend.get_vocab(with_added_tokens=True))
+    return _COMPOSITION_FACTOR * longest
+
+
+def _component_state(component: Any) -> dict | None:
+    return json.loads(component.__getstate__()) if component is not None else None
+
+
+def _keeps_every_char(step: dict | None) -> bool:
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind not in _CHAR_KEEPING_STEPS or step.get("behavior") == "Removed":
+        return False
+    if kind == "Replace":  # keeps the length only when no pattern is replaced by something shorter
+        pattern = step.get("pattern", {}).get("String")
+        return pattern is not None and len(step.get("content", "")) >= len(pattern)
+    parts = step.get("normalizers") or step.get("pretokenizers") or []
+    return all(_keeps_every_char(part) for part in parts)
+
+
 def _byte_fallback(token: str) -> bytes | None:
     """SentencePiece byte-fallback tokens look like <0xE4>."""
     if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
@@ -295,59 +351,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-# ---------------------------------------------------------------------- template environment and data
-
-
-def _sandboxed_environment() -> ImmutableSandboxedEnvironment:
-    """The environment transformers builds for chat templates, with the same globals and filters."""
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters; chat templates expect plain json.dumps output.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-class _TemplateDict:
-    """`dict(...)` for templates without exposing the dict type itself (no `dict.__subclasses__` tricks)."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's namespace() that refuses underscore names, so templates cannot reach interpreter internals."""
-
-    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja's Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set the namespace attribute {name!r}.")
+# ---------------------------------------------------------------------- template data
 
 
 def _prepare_message(message: Any) -> dict:

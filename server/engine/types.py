@@ -31,10 +31,12 @@ class ContextLengthExceededError(InvalidRequestError):
     """The prompt leaves no room to generate. (A prompt that fits but whose prompt + max_tokens does not
     is accepted; generation stops at the limit with finish_reason "length".)"""
 
-    def __init__(self, prompt_len: int, max_model_len: int):
+    def __init__(self, prompt_len: int, max_model_len: int, *, at_least: bool = False):
+        """`at_least`: prompt_len is a lower bound, found without tokenizing a prompt far too long to fit."""
+        counted = f"at least {prompt_len}" if at_least else str(prompt_len)
         msg = (
             f"This model's maximum context length is {max_model_len} tokens. However, your messages resulted in "
-            f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length of the messages."
+            f"{counted} tokens, which leaves no room for the completion. Please reduce the length of the messages."
         )
         super().__init__(msg, param="messages", code="context_length_exceeded")
         self.prompt_len = prompt_len
@@ -47,6 +49,14 @@ class QueueFullError(EngineError):
     def __init__(self, num_waiting: int, retry_after_s: float = 1.0):
         super().__init__(f"The server is busy: {num_waiting} requests are already waiting. Retry later.")
         self.retry_after_s = retry_after_s
+
+
+class StepFailedError(EngineError):
+    """One engine step raised: the requests it held are ended (their blocks freed); the engine serves on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine failed in a step ({type(cause).__name__}: {cause})")
+        self.request_ids = request_ids
 
 
 class ModelLoadError(EngineError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from server.models.registry import get_model_module
 log = logging.getLogger(__name__)
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+MAX_NUM_LAYERS = 10_000  # far past any real model; more would take minutes to build even on the meta device
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -258,12 +260,15 @@ def empty_model(
     uninitialized on `device`, computed buffers (RoPE) reset: ready for its weights. Raises ValueError for an
     unknown model_type or quantization, or a layout the model's shapes do not divide."""
     module = get_model_module(hf_config["model_type"])
+    refuse_absurd_sizes(hf_config, device, dtype)
     args = module.ModelArgs.from_hf_config(hf_config)
     with torch.device("meta"):
         model = module.Model(args)
         if layout is not None:
             apply_layout(model, layout)
         model = model.to(dtype)
+    num_params = sum(p.numel() for p in model.parameters())
+    _refuse_past_memory(num_params * (1 if quantization == "fp8" else dtype.itemsize), device, "the model's weights")
     if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
         keep = plan_kept_layers(model, torch.device(device), dtype)
         if keep:
@@ -277,6 +282,47 @@ def empty_model(
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()
     return model.eval()
+
+
+def refuse_absurd_sizes(hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype) -> None:
+    """Before anything is built: the embedding and the per-layer norms alone, which every decoder has, must fit
+    the device's memory; the layer count must be sane. Raises ModelLoadError naming the sizes."""
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    sizes = {k: text.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
+        return  # the model's own ModelArgs says what is missing
+    if any(v <= 0 for v in sizes.values()) or sizes["num_hidden_layers"] > MAX_NUM_LAYERS:
+        raise ModelLoadError(f"config.json has impossible sizes {sizes} (at most {MAX_NUM_LAYERS} layers)")
+    num_params = (sizes["vocab_size"] + 2 * sizes["num_hidden_layers"]) * sizes["hidden_size"]
+    _refuse_past_memory(num_params * dtype.itemsize, torch.device(device), f"config.json's sizes {sizes}")
+
+
+def _refuse_past_memory(num_bytes: int, device: torch.device, what: str) -> None:
+    if torch.device(device).type == "meta":
+        return  # shapes only (benchmarks size real models this way): nothing is allocated
+    available = memory_bytes(torch.device(device))
+    if num_bytes > available:
+        raise ModelLoadError(
+            f"{what} need at least {num_bytes / 2**30:.1f} GiB of weights, more than the {available / 2**30:.1f} GiB "
+            f"of memory available on {device}: refused before allocating"
+        )
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Memory that weights on `device` can take at most: free device memory (CUDA), Metal's working-set limit
+    (MPS), available RAM (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def load_model(
@@ -294,7 +340,7 @@ def load_model(
         quantization = "fp8"
     try:
         model = empty_model(config, device, dtype, quantization, layout)
-    except ValueError as exc:
+    except (ValueError, ModelLoadError) as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     loader = WeightLoader(model)
     fp8_block = tuple(quant_config.get("weight_block_size") or (128, 128)) if checkpoint_fp8 else None

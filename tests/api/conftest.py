@@ -21,5 +21,6 @@ def shared() -> Iterator[RunningServer]:
 def srv(shared: RunningServer) -> RunningServer:
     shared.engine.script = Script()
     shared.engine.submit_error = None
+    shared.engine.input_gate = None
     shared.engine.num_waiting = 0
     return shared

@@ -135,6 +135,9 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.vocab_size = 5000
         self.submit_error: Exception | None = None
+        # render_chat and submit wait for it while it is given and not set: they stand for slow work on large input
+        self.input_gate: threading.Event | None = None
+        self.num_gated = 0  # calls that reached the gate
         self.num_waiting = 0
         self.stats_calls = 0
         self.compile_state = "off"
@@ -152,6 +155,7 @@ class FakeEngine:
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
+        self._wait_for_input_gate()
         self.rendered.append({"messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
                               "kwargs": template_kwargs})
         lines = [f"<|{m['role']}|> {m['content']}" for m in messages]
@@ -173,6 +177,7 @@ class FakeEngine:
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)
+        self._wait_for_input_gate()
         if isinstance(prompt, str):
             prompt.encode("utf-8")  # a real tokenizer cannot encode lone surrogates either
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
@@ -183,6 +188,11 @@ class FakeEngine:
         request_id = request_id or f"fake-{len(self.submitted)}"
         self.submitted.append((request_id, prompt, params))
         return FakeHandle(self, request_id, self.script, params, prompt_tokens)
+
+    def _wait_for_input_gate(self) -> None:
+        if self.input_gate is not None:
+            self.num_gated += 1
+            assert self.input_gate.wait(30), "the input gate was never opened"
 
     async def stream(self, prompt: str | list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[StreamDelta]:

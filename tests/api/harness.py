@@ -39,8 +39,9 @@ class RunningServer:
 
 
 @contextmanager
-def run_app(app: Any, engine: Any = None) -> Iterator[RunningServer]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+def run_app(app: Any, engine: Any = None, config: uvicorn.Config | None = None) -> Iterator[RunningServer]:
+    """`config`: uvicorn's, for its port 0 (any free one); by default a plain uvicorn on 127.0.0.1."""
+    config = config or uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,0 +1,95 @@
+"""Schema fuzzing: schemathesis generates requests from the server's own OpenAPI document, both valid ones and
+ones that break the schema, against a real uvicorn serving the demo model. A seeded run of a thousand cases:
+no 5xx, every error in OpenAI's shape, every stream well framed."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.generation.modes import GenerationMode
+
+from server.api.app import create_app
+from server.config import EngineConfig, ServerConfig
+from tests.api.harness import RunningServer, run_app
+
+pytestmark = pytest.mark.slow
+NUM_CASES = int(os.environ.get("MPS_SERVE_FUZZ_CASES", 1000))  # docs/RELIABILITY.md: a longer run
+MAX_NEW_TOKENS = 2  # generated requests ask for up to the whole context; the fuzz is about the API, not the model
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RunningServer]:
+    from server.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
+    with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:
+        yield running
+
+
+def _cases(app) -> st.SearchStrategy:
+    schema = schemathesis.openapi.from_dict(app.openapi())
+    return st.one_of([schema.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
+
+
+def _bounded(case) -> None:
+    """Short generations: a valid request's token budget (also a float or a numeric string, which pydantic takes
+    as an int) is cut to MAX_NEW_TOKENS, and set where the request leaves it to the context length."""
+    if not isinstance(case.body, dict):
+        return
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = case.body.get(name)
+        try:
+            too_many = not isinstance(value, bool) and float(value) > MAX_NEW_TOKENS
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if too_many:
+            case.body[name] = MAX_NEW_TOKENS
+    if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
+        case.body["max_tokens"] = MAX_NEW_TOKENS
+
+
+def _check(response) -> None:
+    """`response`: schemathesis' (headers map to lists of values)."""
+    where = (f"{response.request.method} {response.request.url} {response.request.body!r:.1500} -> "
+             f"{response.status_code}: {response.text[-1500:]}")
+    assert response.status_code < 500, where
+    if response.status_code >= 400:
+        body = response.json()
+        assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, where
+        assert isinstance(body["error"]["message"], str) and body["error"]["message"], where
+    elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
+        assert not response.stream_cut_short, where  # schemathesis stops reading a stream past its time limit
+        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+        assert events, where
+        for event in events[:-1]:
+            assert "error" not in json.loads(event), where
+        assert events[-1] == "[DONE]" or set(json.loads(events[-1]).get("error", ())) == ERROR_FIELDS, where
+
+
+def test_schema_fuzz_finds_no_5xx_and_only_openai_errors(real: RunningServer) -> None:
+    app = real.server.config.app
+    statuses: Counter = Counter()
+    session = requests.Session()
+
+    @given(case=_cases(app))
+    @settings(max_examples=NUM_CASES, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def run(case) -> None:
+        _bounded(case)
+        response = case.call(base_url=real.url, session=session, timeout=30)
+        statuses[response.status_code] += 1
+        _check(response)
+
+    run()
+    print(f"schema fuzz: {sum(statuses.values())} cases, statuses {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) == NUM_CASES
+    assert statuses[200] >= 100 and sum(n for s, n in statuses.items() if 400 <= s < 500) >= 100, statuses
