@@ -45,7 +45,7 @@ def _bounded(case) -> None:
     as an int) is cut to MAX_NEW_TOKENS, and set where the request leaves it to the context length."""
     if not isinstance(case.body, dict):
         return
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = case.body.get(name)
         try:
             too_many = not isinstance(value, bool) and float(value) > MAX_NEW_TOKENS
@@ -53,26 +53,38 @@ def _bounded(case) -> None:
             continue
         if too_many:
             case.body[name] = MAX_NEW_TOKENS
-    if case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
+    if case.path == "/v1/responses":
+        if case.body.get("max_output_tokens") is None:
+            case.body["max_output_tokens"] = MAX_NEW_TOKENS
+    elif case.body.get("max_tokens") is None and case.body.get("max_completion_tokens") is None:
         case.body["max_tokens"] = MAX_NEW_TOKENS
 
 
 def _check(response) -> None:
-    """`response`: schemathesis' (headers map to lists of values)."""
+    """`response`: schemathesis' (headers map to lists of values). Errors in OpenAI's shape, Anthropic's on
+    /v1/messages; streams well framed: JSON events ending in [DONE], the protocol's last event, or an error."""
     where = (f"{response.request.method} {response.request.url} {response.request.body!r:.1500} -> "
              f"{response.status_code}: {response.text[-1500:]}")
+    anthropic = "/v1/messages" in response.request.url
     assert response.status_code < 500, where
     if response.status_code >= 400:
         body = response.json()
-        assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, where
+        if anthropic:
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, where
+        else:
+            assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, where
         assert isinstance(body["error"]["message"], str) and body["error"]["message"], where
     elif response.headers.get("content-type", [""])[0].startswith("text/event-stream"):
         assert not response.stream_cut_short, where  # schemathesis stops reading a stream past its time limit
-        events = [line[len("data: "):] for line in response.text.split("\n\n") if line.startswith("data: ")]
+        events = [line.split("data: ", 1)[1] for line in response.text.split("\n\n") if "data: " in line]
         assert events, where
-        for event in events[:-1]:
-            assert "error" not in json.loads(event), where
-        assert events[-1] == "[DONE]" or set(json.loads(events[-1]).get("error", ())) == ERROR_FIELDS, where
+        if events[-1] == "[DONE]":
+            events = events[:-1]
+        last = json.loads(events[-1])
+        for event in map(json.loads, events[:-1]):
+            assert event.get("type") != "error" and (anthropic or "/v1/responses" in where or "error" not in event), where
+        ends = {"message_stop", "response.completed", "response.incomplete", "error"}
+        assert last.get("type") in ends or "choices" in last or set(last.get("error", ())) == ERROR_FIELDS, where
 
 
 def test_schema_fuzz_finds_no_5xx_and_only_openai_errors(real: RunningServer) -> None:
