@@ -11,8 +11,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from server.kernels.capabilities import REPORT_HINT
-
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +39,8 @@ class BackgroundCompile:
             self.error = describe_failure(exc)
             self.state = "failed"
             log.warning("compiling the decode step failed on %s (%s); requests stay on the eager path, which is "
-                        "slower. %s.", self._device_name, self.error, REPORT_HINT)
+                        "slower. Please report it on the mps-serve issue tracker with the output of "
+                        "`mps-serve selfcheck`.", self._device_name, self.error)
             return
         # What the compile left alive (graphs, dynamo's caches) joins start-up's objects out of the cyclic GC's
         # reach: a full collection walking them would stall every stream.
