@@ -243,11 +243,11 @@ class _RankRunner(ModelRunner):
 class LeaderRunner(_RankRunner):
     """Rank 0's runner: each step's plan goes to the followers first; in tensor parallel the sampled ids after."""
 
-    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> InFlightStep:
+    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None, token_bitmask=None) -> InFlightStep:
         tensor = self.layout.kind == TENSOR
         _exchange(StepPlan.of(out, self.kv_cache.block_size, with_token_ids=tensor))
         try:
-            step = super().launch(out, prev)
+            step = super().launch(out, prev, token_bitmask)
             if tensor and step.token_ids is not None:
                 broadcast(step.token_ids, 0, self.layout.group)
         except RuntimeError as exc:  # a collective of the forward; every rank is now out of step

@@ -14,6 +14,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
 from server.api.app import create_app
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.slow
 NUM_CASES = int(os.environ.get("MPS_SERVE_FUZZ_CASES", 1000))  # docs/RELIABILITY.md: a longer run
 MAX_NEW_TOKENS = 2  # generated requests ask for up to the whole context; the fuzz is about the API, not the model
 ERROR_FIELDS = {"message", "type", "param", "code"}
+MAX_STREAM_EVENTS = 100_000
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,9 @@ def real() -> Iterator[RunningServer]:
 
 
 def _cases(app) -> st.SearchStrategy:
-    schema = schemathesis.openapi.from_dict(app.openapi())
+    # every event of a stream is read (n choices of several prompts are hundreds), up to the request's timeout
+    config = SchemathesisConfig.from_dict({"max-stream-events": MAX_STREAM_EVENTS})
+    schema = schemathesis.openapi.from_dict(app.openapi(), config=config)
     return st.one_of([schema.as_strategy(mode) for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)])
 
 

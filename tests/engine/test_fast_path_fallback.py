@@ -125,9 +125,9 @@ def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_check
 def _raising_launch(launch):
     """ModelRunner.launch that raises a compile failure on the compiled runner, and runs the eager one."""
 
-    def patched(runner, out, prev=None):
+    def patched(runner, out, prev=None, token_bitmask=None):
         if runner.decode_graphs is None:
-            return launch(runner, out, prev)
+            return launch(runner, out, prev, token_bitmask)
         patched.calls += 1
         raise torch._dynamo.exc.TorchDynamoException("no kernel for this shape")
 
