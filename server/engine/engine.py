@@ -372,7 +372,7 @@ class Engine:
             for prompts in runs:
                 self.run_to_completion([self.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
         except StepFailedError as exc:  # the caller reports the compile failure itself, not the lost step
-            raise exc.__cause__ or exc
+            raise (exc.__cause__ or exc) from None
         finally:
             self._warming_up = False
         # Every decode bucket whose KV gather (batch x blocks, one layer at a time) is no larger than the cache's
