@@ -1,9 +1,10 @@
 """Anthropic Messages endpoints: POST /v1/messages and /v1/messages/count_tokens, on the chat-completions path
 (same template rendering, engine submission, output parsers and limits); errors in Anthropic's shape.
 
-tool_choice "any" is accepted but not enforced (no constrained decoding), as "required" in chat completions;
-`disable_parallel_tool_use` is accepted and not enforced. Thinking blocks sent back in history are rendered as
-the assistant's reasoning; their signatures are ignored.
+tool_choice "any" and "tool" are enforced by a grammar (api.structured), as "required" and a named function in
+chat completions, with `disable_parallel_tool_use`; under "auto" the output stays free, so that flag is not
+enforced there. Thinking blocks sent back in history are rendered as the assistant's reasoning; their signatures
+are ignored.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ async def messages(request: Request) -> Response:
     validate_params(params, {"stop": "stop_sequences"})
     tools = req.tools_for_template()
     prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
+    params.structured = req.constraint(prompt, tools)
     ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_message_id(), started_at=started_at,
                            prompt_param="messages")
     return await respond(request, state, ctx, req.stream, stream_messages, collect_message)

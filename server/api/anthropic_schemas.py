@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
 from server.api.schemas import check_parameters, stop_strings
-from server.engine.types import SamplingParams
+from server.api.structured import turn_constraint
+from server.engine.types import SamplingParams, StructuredOutput
 
 
 class _Lenient(BaseModel):
@@ -141,6 +142,15 @@ class MessagesRequest(CountTokensRequest):
             top_k=0 if self.top_k is None else self.top_k,
             stop=stop_strings(self.stop_sequences),
         )
+
+    def constraint(self, prompt: str, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
+        """tool_choice "any" / "tool" -> a call in the model's own format (one only for "tool" or with
+        disable_parallel_tool_use); "auto" stays free text, so its disable_parallel_tool_use is not enforced."""
+        choice = self.tool_choice
+        if choice is None or choice.type not in ("any", "tool"):
+            return None
+        return turn_constraint(prompt, tools, force_tool=True,
+                               parallel=choice.type == "any" and not choice.disable_parallel_tool_use)
 
 
 def _joined(content: str | list[TextBlock]) -> str:

@@ -1,7 +1,8 @@
 """POST /v1/responses (OpenAI Responses API, stateless) on the chat-completions path: same template rendering,
 engine submission, output parsers and limits; errors in OpenAI's shape.
 
-tool_choice "required" is accepted but not enforced (no constrained decoding), as in chat completions.
+text.format (json_object, json_schema) and tool_choice "required" or a named function are enforced by a grammar,
+as in chat completions (api.structured).
 """
 
 from __future__ import annotations
@@ -27,9 +28,15 @@ def _echo(req: ResponsesRequest, tools: list[dict[str, Any]] | None, max_tokens:
         "instructions": req.instructions, "max_output_tokens": max_tokens, "temperature": req.temperature,
         "top_p": req.top_p, "tool_choice": req.tool_choice or "auto",
         "tools": [{"type": "function", **t["function"]} for t in tools or []],
-        "parallel_tool_calls": req.parallel_tool_calls is not False, "text": {"format": {"type": "text"}},
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "text": {"format": _text_format(req)},
         "reasoning": req.reasoning.model_dump() if req.reasoning else None, "metadata": req.metadata or {},
     }
+
+
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    if req.text is None or req.text.format is None:
+        return {"type": "text"}
+    return req.text.format.model_dump(by_alias=True, exclude_none=True)
 
 
 @router.post("/v1/responses")
@@ -43,6 +50,7 @@ async def responses(request: Request) -> Response:
     validate_params(params, {"max_tokens": "max_output_tokens"})
     tools = req.tools_for_template()
     prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
+    params.structured = req.constraint(prompt, tools)
     ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_response_id(), started_at=started_at,
                            prompt_param="input")
     echo = _echo(req, tools, params.max_tokens)

@@ -15,8 +15,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 
 from server.api.errors import APIError
 from server.api.messages import template_tool_call, text_content
-from server.api.schemas import FunctionCall, ToolCall, check_parameters
-from server.engine.types import SamplingParams
+from server.api.schemas import FunctionCall, JsonSchemaFormat, ResponseFormat, ToolCall, check_parameters
+from server.api.structured import turn_constraint
+from server.engine.types import SamplingParams, StructuredOutput
 
 
 class _Lenient(BaseModel):
@@ -74,7 +75,21 @@ class FunctionTool(_Lenient):
 
 
 class TextFormat(_Lenient):
+    """text.format: the Responses API spells json_schema's name, schema and strict flat, beside the type."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
     type: str = "text"
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    def as_response_format(self) -> ResponseFormat:
+        spec = None
+        if self.schema_ is not None:
+            spec = JsonSchemaFormat(name=self.name, description=self.description, schema=self.schema_,
+                                    strict=self.strict)
+        return ResponseFormat(type=self.type, json_schema=spec)
 
 
 class TextConfig(_Lenient):
@@ -111,9 +126,6 @@ class ResponsesRequest(_Lenient):
         if self.previous_response_id is not None:
             raise APIError(400, "previous_response_id is not supported: this server keeps no responses. Send the "
                            "whole conversation in `input` (store=false semantics).", param="previous_response_id")
-        if self.text is not None and self.text.format is not None and self.text.format.type != "text":
-            raise APIError(400, f"text.format of type {self.text.format.type!r} is not supported: this server has "
-                           "no constrained decoding. Ask for JSON in the prompt instead.", param="text.format")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
@@ -121,6 +133,15 @@ class ResponsesRequest(_Lenient):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
         )
+
+    def constraint(self, prompt: str, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
+        """text.format, or the tool call tool_choice "required" or a named function asks for (one call when
+        named or parallel_tool_calls is false)."""
+        named = self._named_function() is not None
+        response_format = self.text.format.as_response_format() if self.text and self.text.format else None
+        return turn_constraint(prompt, tools, force_tool=named or self.tool_choice == "required",
+                               parallel=not named and self.parallel_tool_calls is not False,
+                               response_format=response_format, format_param="text.format")
 
     def template_kwargs(self) -> dict[str, Any]:
         """reasoning.effort "none" turns the template's thinking switch off; other efforts keep its default."""

@@ -1,7 +1,7 @@
 """response_format and enforced tool_choice -> the engine's StructuredOutput (an llguidance Lark grammar).
 
-- response_format json_object / json_schema: the answer is that JSON; text: no constraint.
-- tool_choice "required" / a named function (and `strict` tools under "required"): the answer is one or more
+- response_format json_object / json_schema (Responses: text.format): the answer is that JSON; text: none.
+- tool_choice "required" / a named function (Anthropic: "any" / "tool"; `strict` tools under "required"): one or more
   tool calls in the model's own format, arguments valid against the tool's parameters; parallel_tool_calls=false
   allows exactly one call. The format is read from the rendered prompt, where the template describes it.
 - Chat output may first reason: free text inside `<think>...</think>` (from the start when the prompt opened
@@ -29,16 +29,25 @@ _PYTHONIC = ("<|tool_call_start|>", "<|tool_call_end|>")
 def chat_constraint(req: Any, tools: list[dict[str, Any]] | None, prompt: str) -> StructuredOutput | None:
     """The constraint of a chat request (schemas.ChatCompletionRequest) whose rendered prompt is `prompt`."""
     named = isinstance(req.tool_choice, NamedToolChoice)
-    has_format = req.response_format is not None and req.response_format.type != "text"
-    if tools and (named or req.tool_choice == "required"):
+    return turn_constraint(prompt, tools, force_tool=named or req.tool_choice == "required",
+                           parallel=not named and req.parallel_tool_calls is not False,
+                           response_format=req.response_format)
+
+
+def turn_constraint(prompt: str, tools: list[dict[str, Any]] | None, *, force_tool: bool, parallel: bool,
+                    response_format: Any = None, format_param: str = "response_format") -> StructuredOutput | None:
+    """The constraint of one assistant turn (chat completions, Responses, Anthropic Messages) rendered as
+    `prompt`: a call of `tools` (those the template saw) when `force_tool`, one only unless `parallel`; else the
+    answer `response_format` (schemas.ResponseFormat, named `format_param` in errors) asks for; else None."""
+    has_format = response_format is not None and response_format.type != "text"
+    if tools and force_tool:
         if has_format:
-            raise APIError(400, "response_format cannot be enforced together with a required tool call; drop one.",
-                           param="response_format")
-        parallel = not named and req.parallel_tool_calls is not False
+            raise APIError(400, f"{format_param} cannot be enforced together with a required tool call; drop one.",
+                           param=format_param)
         return tool_choice_output(tools, tool_call_format(prompt), parallel=parallel, reasoning=reasoning_mode(prompt))
     if not has_format:
         return None
-    return response_format_output(req.response_format, reasoning=reasoning_mode(prompt))
+    return response_format_output(response_format, reasoning=reasoning_mode(prompt), param=format_param)
 
 
 def reasoning_mode(prompt: str) -> str:
@@ -49,8 +58,9 @@ def reasoning_mode(prompt: str) -> str:
     return "none" if prompt.rstrip().endswith(THINK_END) else "optional"
 
 
-def response_format_output(response_format: Any, *, reasoning: str = "none") -> StructuredOutput | None:
-    """`response_format` (schemas.ResponseFormat) -> the constraint, None for text."""
+def response_format_output(response_format: Any, *, reasoning: str = "none",
+                           param: str = "response_format") -> StructuredOutput | None:
+    """`response_format` (schemas.ResponseFormat, named `param` in errors) -> the constraint, None for text."""
     kind = response_format.type
     if kind == "text":
         return None
@@ -59,13 +69,12 @@ def response_format_output(response_format: Any, *, reasoning: str = "none") -> 
     elif kind == "json_schema":
         spec = response_format.json_schema
         if spec is None:
-            raise APIError(400, "response_format of type 'json_schema' needs a json_schema object.",
-                           param="response_format")
+            raise APIError(400, f"{param} of type 'json_schema' needs a schema.", param=param)
         answer = json_rule(spec.schema_ if spec.schema_ is not None else {})
     else:
-        raise APIError(400, f"response_format type {kind!r} is not supported; use 'text', 'json_object' or "
-                       "'json_schema'.", param="response_format")
-    return _with_reasoning(f"answer: {answer}\n", (), "response_format", reasoning)
+        raise APIError(400, f"{param} type {kind!r} is not supported; use 'text', 'json_object' or "
+                       "'json_schema'.", param=param)
+    return _with_reasoning(f"answer: {answer}\n", (), param, reasoning)
 
 
 def tool_call_format(prompt: str) -> str:

@@ -1,4 +1,5 @@
-"""One server per test module serving create_app(FakeEngine) (tests/api/harness.py), reset before each test."""
+"""One server per test module serving create_app(FakeEngine) (tests/api/harness.py), reset before each test;
+or, for the modules that need real generation, one serving the demo model on the CPU."""
 
 from __future__ import annotations
 
@@ -14,6 +15,19 @@ from tests.api.harness import RunningServer, serve
 def shared() -> Iterator[RunningServer]:
     """One server per test module; tests set `shared.engine.script` (reset before each test)."""
     with serve(FakeEngine(), served_model_name="fake-served", model_aliases=("alias-a",)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def demo_server() -> Iterator[RunningServer]:
+    """The demo model (random weights) behind a real uvicorn, one per test module."""
+    from server.api.app import create_app
+    from server.config import EngineConfig, ServerConfig
+    from server.engine.async_engine import AsyncEngine
+    from tests.api.harness import run_app
+
+    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
+    with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:
         yield running
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import requests
@@ -17,24 +16,13 @@ from hypothesis import strategies as st
 from schemathesis.config import SchemathesisConfig
 from schemathesis.generation.modes import GenerationMode
 
-from server.api.app import create_app
-from server.config import EngineConfig, ServerConfig
-from tests.api.harness import RunningServer, run_app
+from tests.api.harness import RunningServer
 
 pytestmark = pytest.mark.slow
 NUM_CASES = int(os.environ.get("MPS_SERVE_FUZZ_CASES", 1000))  # docs/RELIABILITY.md: a longer run
 MAX_NEW_TOKENS = 2  # generated requests ask for up to the whole context; the fuzz is about the API, not the model
 ERROR_FIELDS = {"message", "type", "param", "code"}
 MAX_STREAM_EVENTS = 100_000
-
-
-@pytest.fixture(scope="module")
-def real() -> Iterator[RunningServer]:
-    from server.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
-    with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:
-        yield running
 
 
 def _cases(app) -> st.SearchStrategy:
@@ -91,8 +79,8 @@ def _check(response) -> None:
         assert last.get("type") in ends or "choices" in last or set(last.get("error", ())) == ERROR_FIELDS, where
 
 
-def test_schema_fuzz_finds_no_5xx_and_only_openai_errors(real: RunningServer) -> None:
-    app = real.server.config.app
+def test_schema_fuzz_finds_no_5xx_and_only_openai_errors(demo_server: RunningServer) -> None:
+    app = demo_server.server.config.app
     statuses: Counter = Counter()
     session = requests.Session()
 
@@ -101,7 +89,7 @@ def test_schema_fuzz_finds_no_5xx_and_only_openai_errors(real: RunningServer) ->
               suppress_health_check=list(HealthCheck))
     def run(case) -> None:
         _bounded(case)
-        response = case.call(base_url=real.url, session=session, timeout=30)
+        response = case.call(base_url=demo_server.url, session=session, timeout=30)
         statuses[response.status_code] += 1
         _check(response)
 

@@ -5,18 +5,14 @@ format checked against the markup their parsers read."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Literal
 
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
-from server.api.app import create_app
 from server.api.chat_output import ChatOutputParser, MessageBuilder
 from server.api.structured import tool_call_format, tool_choice_output
-from server.config import EngineConfig, ServerConfig
-from tests.api.harness import RunningServer, run_app
 from tests.api.tool_markup import hermes, qwen3_coder
 
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -44,17 +40,8 @@ class Forecast(BaseModel):
     days: list[int] = Field(max_length=2)
 
 
-@pytest.fixture(scope="module")
-def real() -> Iterator[RunningServer]:
-    from server.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
-    with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:
-        yield running
-
-
-def test_openai_parse_with_a_pydantic_model(real) -> None:
-    completion = real.client().chat.completions.parse(model="demo", messages=MESSAGES, response_format=Forecast,
+def test_openai_parse_with_a_pydantic_model(demo_server) -> None:
+    completion = demo_server.client().chat.completions.parse(model="demo", messages=MESSAGES, response_format=Forecast,
                                                       max_tokens=60, seed=3, extra_body=NO_THINKING)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
@@ -63,11 +50,11 @@ def test_openai_parse_with_a_pydantic_model(real) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_json_schema_on_chat_with_n_choices(real, stream: bool) -> None:
+def test_json_schema_on_chat_with_n_choices(demo_server, stream: bool) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
     kw = dict(model="demo", messages=MESSAGES, response_format=response_format, max_tokens=60, n=2, seed=11,
               extra_body=NO_THINKING)
-    client = real.client()
+    client = demo_server.client()
     if stream:
         texts = ["", ""]
         for chunk in client.chat.completions.create(stream=True, **kw):
@@ -79,8 +66,8 @@ def test_json_schema_on_chat_with_n_choices(real, stream: bool) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def test_json_schema_on_completions_and_a_stop_string_inside(real) -> None:
-    client = real.client()
+def test_json_schema_on_completions_and_a_stop_string_inside(demo_server) -> None:
+    client = demo_server.client()
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
     out = client.completions.create(model="demo", prompt="weather:", max_tokens=40, seed=2, extra_body=body)
     assert out.choices[0].finish_reason == "stop"
@@ -94,8 +81,8 @@ def test_json_schema_on_completions_and_a_stop_string_inside(real) -> None:
     assert any_object.choices[0].text.startswith("{")
 
 
-def test_a_schema_longer_than_max_tokens_ends_with_length(real) -> None:
-    out = real.client().chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, seed=1,
+def test_a_schema_longer_than_max_tokens_ends_with_length(demo_server) -> None:
+    out = demo_server.client().chat.completions.create(model="demo", messages=MESSAGES, max_tokens=5, seed=1,
                                                 response_format={"type": "json_schema", "json_schema": {
                                                     "name": "w", "schema": SCHEMA}}, extra_body=NO_THINKING)
     assert out.choices[0].finish_reason == "length"
@@ -103,8 +90,8 @@ def test_a_schema_longer_than_max_tokens_ends_with_length(real) -> None:
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_enforced_tool_choice_gives_one_valid_call(real, tool_choice) -> None:
-    out = real.client().chat.completions.create(model="demo", messages=MESSAGES, tools=[TOOL, OTHER], max_tokens=80,
+def test_enforced_tool_choice_gives_one_valid_call(demo_server, tool_choice) -> None:
+    out = demo_server.client().chat.completions.create(model="demo", messages=MESSAGES, tools=[TOOL, OTHER], max_tokens=80,
                                                 tool_choice=tool_choice, parallel_tool_calls=False, seed=4,
                                                 extra_body=NO_THINKING)
     calls = out.choices[0].message.tool_calls
@@ -123,8 +110,8 @@ def test_enforced_tool_choice_gives_one_valid_call(real, tool_choice) -> None:
         "a": {"$ref": "#/missing"}}}}}], "tool_choice": "required"}, "tool_choice"),
     ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
 ])
-def test_an_unsupported_constraint_is_a_400_naming_the_param(real, body, param) -> None:
-    response = real.post("/v1/chat/completions", {"messages": MESSAGES, **body})
+def test_an_unsupported_constraint_is_a_400_naming_the_param(demo_server, body, param) -> None:
+    response = demo_server.post("/v1/chat/completions", {"messages": MESSAGES, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
 
