@@ -48,6 +48,7 @@ class Capabilities:
     grouped_mm_fp16_traced: Probe
     grouped_mm_fp32_traced: Probe
     fp8_grouped: Probe  # scaled_grouped_mm row-wise
+    fp8_weight_only: Probe  # FP8 weights widened inside a float32 reduction (compiled decode at a few tokens)
     streams: Probe  # a side stream + event for non-blocking device-to-host copies
     compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
     # fast path name -> why it failed at run time: from then on its reference path runs (see with_fallback)
@@ -96,6 +97,7 @@ def _probe_all(device_name: str) -> Capabilities:
         grouped_mm_fp16_traced=_run(lambda: _check_grouped_mm_meta(torch.float16)),
         grouped_mm_fp32_traced=_run(lambda: _check_grouped_mm_meta(torch.float32)),
         fp8_grouped=_run(lambda: _check_scaled_grouped_mm(device)),
+        fp8_weight_only=_run(lambda: _check_weight_only(device)),
         streams=_run(lambda: _check_streams(device)),
         compile=_run(lambda: _check_compile(device)),
     )
@@ -210,6 +212,18 @@ def _check_scaled_grouped_mm(device: torch.device) -> str:
     return "; ".join(reasons)
 
 
+def _check_weight_only(device: torch.device) -> str:
+    """The eager form of the reduction inductor fuses: FP8 -> float32 on the device, multiply, sum."""
+    if _FP8 is None:
+        raise TypeError("torch.float8_e4m3fn is missing from this torch build")
+    weight = _rand(32, 64, device=device, seed=4).to(_FP8)  # [N, K]
+    scale = torch.rand(32, 1, device=device) + 0.5
+    x = _rand(2, 64, device=device, seed=5).to(torch.bfloat16)
+    out = ((x.float().unsqueeze(1) * weight.float().unsqueeze(0)).sum(-1) * scale.view(1, -1)).to(torch.bfloat16)
+    ref = x.float().cpu() @ (weight.float().cpu() * scale.cpu()).t()
+    return _compare(out, ref, "float8 widening in a float32 reduction")
+
+
 def _check_streams(device: torch.device) -> str:
     if device.type == "cpu":
         raise RuntimeError("cpu has no device streams; host copies are synchronous")
@@ -260,6 +274,11 @@ def fp8_grouped_ok(device: torch.device) -> bool:
 def fp8_rowwise_ok(device: torch.device, with_bias: bool) -> bool:
     caps = capabilities(device)
     return caps.fp8_rowwise_bias.ok if with_bias else caps.fp8_rowwise.ok
+
+
+@torch.compiler.assume_constant_result
+def fp8_weight_only_ok(device: torch.device) -> bool:
+    return capabilities(device).fp8_weight_only.ok
 
 
 @torch.compiler.assume_constant_result

@@ -1,9 +1,15 @@
-"""FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`.
+"""FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`, or, in a
+compiled step at a few tokens, read as FP8 inside one reduction (weight-only).
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
 once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
 activation per call, as separate ops, costs as much as FP8 saves on the weight read. Where the probe finds no row-wise
 `scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
+
+At a few tokens (decode) the weight read is the whole cost: the weight-only form widens each FP8 weight inside the
+reduction that accumulates in float32 and applies the row scale after it, with no activation quantization; inductor
+emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Eager it would materialize
+[M, N, K], so it runs only under torch.compile, where the probe found the FP8 widening on the device.
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ import torch
 from torch import nn
 
 from server.kernels import compat
-from server.kernels.capabilities import fast_path_failed, fp8_rowwise_ok, with_fallback
+from server.kernels.capabilities import fast_path_failed, fp8_rowwise_ok, fp8_weight_only_ok, with_fallback
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
 _ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
+# Up to this many tokens a compiled step reads FP8 weights in its own reduction; beyond, each weight row would be
+# re-read per token, and scaled_mm's tiles (or the caller's shared activation quantization) win.
+WEIGHT_ONLY_MAX_TOKENS = 4
 
 
 def quantize_fp8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +85,33 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return out.to(out_dtype)
 
 
+def use_weight_only(device: torch.device, num_tokens) -> bool:
+    return torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
+
+
+def fp8_weight_only_linear(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    w_fp8: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N, 1] float32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """x @ (w_fp8 * w_scale).T + bias -> [M, N]: one reduction over K reading the weight as FP8 (see the module
+    docstring: for torch.compile)."""
+    out = (x.float().unsqueeze(1) * w_fp8.float().unsqueeze(0)).sum(-1) * w_scale.view(1, -1)  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def fp8_weight_only_reference(x, w_fp8, w_scale, bias, out_dtype):
+    """Twin of fp8_weight_only_linear: the weight dequantized to float32, one matmul."""
+    out = x.float() @ (w_fp8.float() * w_scale).t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
 def blockwise_to_rowwise(
     weight_fp8: torch.Tensor,  # [N, K] float8_e4m3fn, Hugging Face `quant_method: fp8` checkpoint
     scale_inv: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32, the checkpoint's `weight_scale_inv`
@@ -110,6 +146,10 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; pass `x_quant = quantize_activation(x)` to share it between layers."""
+        x_rows = x.reshape(-1, self.in_features)  # [M, K]
+        if x_quant is None and use_weight_only(x.device, x_rows.shape[0]):
+            out = fp8_weight_only_linear(x_rows, self.weight, self.weight_scale, self.bias, self.out_dtype)
+            return out.view(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)
         out = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
         return out.view(*x.shape[:-1], self.out_features)

@@ -52,6 +52,7 @@ class Inputs:
 def kernel_checks(device: torch.device, dtype: torch.dtype, seed: int) -> list[Check]:
     checks: list[tuple[str, Callable[[], Check]]] = [
         ("fp8_linear", lambda: check_fp8_linear(device, dtype, Inputs(seed))),
+        ("fp8_weight_only", lambda: check_fp8_weight_only(device, dtype, Inputs(seed + 9))),
         ("moe_experts", lambda: check_moe(device, dtype, Inputs(seed + 1))),
         ("moe_experts_fp8", lambda: check_moe_fp8(device, dtype, Inputs(seed + 2))),
         ("decode_attention_sdpa", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), flex=False)),
@@ -80,6 +81,21 @@ def check_fp8_linear(device, dtype, inputs: Inputs) -> Check:
             ref = fp8.fp8_linear_reference(*cpu, None if b is None else b.cpu(), torch.float32)
             errors.append(rel_err(out, ref))
     return bounded(SECTION, "fp8_linear", max(errors), FP8_TWIN_BOUND)
+
+
+def check_fp8_weight_only(device, dtype, inputs: Inputs) -> Check:
+    """The compiled decode step's FP8 form, run eagerly: the weight widened inside the reduction."""
+    if fp8.FP8_DTYPE is None:
+        return Check(SECTION, "fp8_weight_only", SKIP, f"torch {torch.__version__} has no float8_e4m3fn")
+    w_fp8, w_scale = fp8.quantize_fp8_rowwise(inputs.randn(96, 256).to(device, dtype))
+    bias = inputs.randn(96).to(device, dtype)
+    errors = []
+    for num_tokens in (1, fp8.WEIGHT_ONLY_MAX_TOKENS):
+        x = inputs.randn(num_tokens, 256).to(device, dtype)
+        out = fp8.fp8_weight_only_linear(x, w_fp8, w_scale, bias, dtype)
+        ref = fp8.fp8_weight_only_reference(*(t.cpu() for t in (x, w_fp8, w_scale, bias)), torch.float32)
+        errors.append(rel_err(out, ref))
+    return bounded(SECTION, "fp8_weight_only", max(errors), FP8_TWIN_BOUND)
 
 
 def _moe_case(inputs: Inputs, num_tokens: int, num_experts=8, hidden=64, inter=32, top_k=2):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import torch
 
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
@@ -173,3 +174,25 @@ def test_decode_shapes_to_prepare_are_bounded_by_the_cache(tiny_checkpoint):
     assert graphs.buckets_within(8) == [(1, 4), (1, 8), (2, 4)]  # 2 x 8 blocks: past 8
     assert graphs.buckets_within(16) == [(1, 4), (1, 8), (2, 4), (2, 8)]
     assert graphs.prepare_shapes(10**6) == 0 and not graphs.shapes_run
+
+
+def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint, monkeypatch):
+    """FP8 llama: the compiled decode step (batches of up to WEIGHT_ONLY_MAX_TOKENS) reads each FP8 weight inside
+    its reduction instead of quantizing the activation; the eager engine doing the same gives the same tokens."""
+    from server.kernels import fp8
+
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n) for n in (5, 19, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
+    with monkeypatch.context() as patch:
+        patch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
+        expected = [o.token_ids for o in eager.generate(prompts, params)]
+    traced = []  # whether each activation quantization was traced into the compiled step
+    quantize = fp8.quantize_activation
+    monkeypatch.setattr(fp8, "quantize_activation",
+                        lambda x: traced.append(torch.compiler.is_compiling()) or quantize(x))
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", quantization="fp8")
+    assert [o.token_ids for o in compiled.generate(prompts, params)] == expected
+    assert compiled.runner.decode_graphs.shapes_run  # the decode steps did run compiled
+    assert traced and not any(traced)  # the eager prefill quantized; the compiled decode step never did

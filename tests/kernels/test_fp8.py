@@ -52,6 +52,46 @@ def test_fp8_linear_matches_twin_and_bf16(with_bias, num_tokens):
     assert _rel_err(out, exact) < FP8_LINEAR_BOUND
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp8_weight_only_matches_twin_and_bf16(with_bias):
+    weight = torch.randn(64, 128).to(torch.bfloat16)
+    bias = torch.randn(64).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    w_fp8, w_scale = fp8.quantize_fp8_rowwise(weight)
+    out = fp8.fp8_weight_only_linear(x, w_fp8, w_scale, bias, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 64)
+    twin = fp8.fp8_weight_only_reference(x, w_fp8, w_scale, bias, torch.float32)
+    assert _rel_err(out, twin) < 1e-2
+    exact = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert _rel_err(out, exact) < FP8_WEIGHT_ONLY_BOUND
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("num_tokens, weight_only", [(1, True), (fp8.WEIGHT_ONLY_MAX_TOKENS + 1, False)])
+def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_few_tokens(num_tokens, weight_only):
+    """Compiled at a few tokens: one reduction over the FP8 weight, no activation quantization and no scaled_mm;
+    at more tokens, scaled_mm. Either way the twin's numbers."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = fp8.Fp8Linear(96, 48, bias=True, dtype=torch.bfloat16)
+    layer.copy_from(torch.nn.Linear(96, 48, bias=True, dtype=torch.bfloat16))
+    x = torch.randn(num_tokens, 96, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    out, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
+    code = "\n".join(code)
+    assert ("scaled_mm" not in code) == weight_only
+    assert ("448.0" not in code) == weight_only  # FP8_MAX: the activation's quantization
+    bias = layer.bias
+    if weight_only:
+        twin = fp8.fp8_weight_only_reference(x, layer.weight, layer.weight_scale, bias, torch.float32)
+    else:
+        twin = fp8.fp8_linear_reference(*fp8.quantize_activation(x), layer.weight, layer.weight_scale, bias,
+                                        torch.float32)
+    assert _rel_err(out, twin) < 1e-2
+
+
 def test_fp8_linear_module_copied_from_a_linear_and_fused_rows():
     linear = torch.nn.Linear(96, 48, bias=True, dtype=torch.bfloat16)
     layer = fp8.Fp8Linear(96, 48, bias=True, dtype=torch.bfloat16)
