@@ -4,7 +4,11 @@
 #   bash benchmarks/h200_runs.sh CASE...
 #   llama      Llama-3.1-8B, batches 1 and 16, with and without CUDA graphs, beside transformers
 #   qwen       Qwen3-30B-A3B, batch 1, with and without CUDA graphs
-#   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs
+#   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs, 2,048-token prompts (prefill)
+#   qwenfp8off the same without CUDA graphs (the Mac-like mode)
+#   llamafp8   Llama-3.1-8B, batch 1, bf16 and FP8 side by side, with and without CUDA graphs
+#   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py)
+#   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
@@ -22,7 +26,14 @@ for case in "$@"; do
     qwen) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs on,off \
             --json "$out/qwen.jsonl" > "$out/qwen.txt" 2>&1 ;;
     qwenfp8) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --quantize none,fp8 \
-               --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
+               --prompt-len 2048 --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
+    qwenfp8off) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --quantize none,fp8 \
+                  --graphs off --json "$out/qwenfp8off.jsonl" > "$out/qwenfp8off.txt" 2>&1 ;;
+    llamafp8) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
+                --graphs on,off --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
+    structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes 1,16 \
+                  > "$out/structured.txt" 2>&1 ;;
+    selfcheck) timeout 300 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b}; do

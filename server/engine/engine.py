@@ -375,13 +375,15 @@ class Engine:
             raise (exc.__cause__ or exc) from None
         finally:
             self._warming_up = False
+        compiled = time.perf_counter()
         # Every decode bucket whose KV gather (batch x blocks, one layer at a time) is no larger than the cache's
         # usable blocks: a bounded share of memory, where capturing every bucket up to 128k context would not be.
         num_shapes = graphs.prepare_shapes(self.kv_manager.num_usable_blocks) if graphs is not None else 0
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
         self._warmed_up = True
-        log.info("compiled steps warmed up (%d runs, %d more decode shapes) in %.1f s", len(runs), num_shapes, seconds)
-        return seconds
+        log.info("compiled steps warmed up in %.1f s: %d compile runs %.1f s, %d more decode shapes captured %.1f s",
+                 end - start, len(runs), compiled - start, num_shapes, end - compiled)
+        return end - start
 
     def embed(self, prompts: Sequence[str | Sequence[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Pooled embedding of each prompt (text or token ids), truncated to `dimensions` if given; -> (vectors,
