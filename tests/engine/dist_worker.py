@@ -5,7 +5,7 @@ API; the other rank follows (server.engine.distributed.follow), as under `torchr
 
 SPEC: {"kind": "tensor" | "pipeline", "models": [checkpoint dirs], "prompts": [[ids]], "num_new": N,
 "out": file for rank 0's results (one per model, in order), "forever": bool (generate until killed, for the
-lost-rank tests)}.
+lost-rank tests), "schema": a JSON schema (optional: the first prompt also constrained by it, beside the second)}.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
 from server.engine import distributed
-from server.engine.types import SamplingParams
+from server.engine.types import SamplingParams, StructuredOutput
 from tests.helpers import make_engine
 
 
@@ -29,6 +30,11 @@ def lead(spec: dict) -> None:
         engine = make_engine(path, **sizes)
         tokens = [out.token_ids for out in engine.generate(spec["prompts"], params)]
         results.append({"tokens": tokens, "logits": engine.score(spec["prompts"][0])})
+        if spec.get("schema") is not None:  # a constrained row beside a free one: the bitmask reaches rank 0's sampler
+            constrained = replace(params, structured=StructuredOutput.from_json_schema(spec["schema"]))
+            outputs = engine.run_to_completion([engine.make_request(spec["prompts"][0], constrained),
+                                                engine.make_request(spec["prompts"][1], params)])
+            results[-1]["constrained"] = [out.token_ids for out in outputs]
         while spec.get("forever"):
             print("stepping", flush=True)
             engine.generate(spec["prompts"], params)

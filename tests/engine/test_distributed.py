@@ -10,12 +10,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from server.engine.types import ModelLoadError, SamplingParams
+from server.engine.types import ModelLoadError, SamplingParams, StructuredOutput
 from server.engine.weights import load_model
 from server.models.parallel import PIPELINE, TENSOR, Layout, kv_head_range, locate, stage_range
 from tests.helpers import make_engine, write_blockwise_fp8_checkpoint
@@ -42,10 +43,10 @@ def start_ranks(spec: dict, tmp_path: Path) -> list[subprocess.Popen]:
             for rank in (0, 1)]
 
 
-def run_ranks(kind: str, models: list[Path], tmp_path: Path) -> list[dict]:
+def run_ranks(kind: str, models: list[Path | str], tmp_path: Path, **extra) -> list[dict]:
     out = tmp_path / "results.pt"
     spec = {"kind": kind, "models": [str(m) for m in models], "prompts": PROMPTS, "num_new": NUM_NEW,
-            "out": str(out)}
+            "out": str(out), **extra}
     ranks = start_ranks(spec, tmp_path)
     for rank, proc in enumerate(ranks):
         _, stderr = proc.communicate(timeout=120)
@@ -75,6 +76,20 @@ def test_pipeline_parallel_matches_one_process(tiny_checkpoint, hybrid_checkpoin
     is its embedding: both on rank 0."""
     models = [tiny_checkpoint("qwen3_moe")[0], hybrid_checkpoint("qwen3_next")[0], hybrid_checkpoint("lfm2_moe")[0]]
     assert_matches_one_process(models, run_ranks(PIPELINE, models, tmp_path))
+
+
+def test_a_constrained_request_under_tensor_parallel_matches_one_process(tmp_path):
+    """The demo model (it has a tokenizer) at TP 2: a JSON-schema row beside a free one gives the single-process
+    engine's tokens for both, and the constraint changed the constrained row's tokens."""
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    [result] = run_ranks(TENSOR, ["demo"], tmp_path, schema=schema)
+    engine = make_engine("demo")
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
+    constrained = replace(params, structured=StructuredOutput.from_json_schema(schema))
+    expected = engine.run_to_completion([engine.make_request(PROMPTS[0], constrained),
+                                         engine.make_request(PROMPTS[1], params)])
+    assert result["constrained"] == [out.token_ids for out in expected]
+    assert result["constrained"][0] != result["tokens"][0] and result["constrained"][1] == result["tokens"][1]
 
 
 @pytest.mark.parametrize("victim", [1, 0])
