@@ -48,7 +48,7 @@ class Capabilities:
     grouped_mm_fp16_traced: Probe
     grouped_mm_fp32_traced: Probe
     fp8_grouped: Probe  # scaled_grouped_mm row-wise
-    fp8_weight_only: Probe  # FP8 weights widened inside a float32 reduction (compiled decode at a few tokens)
+    fp8_weight_only: Probe  # FP8 weights widened inside a float32 reduction (compiled decode at batch 1)
     streams: Probe  # a side stream + event for non-blocking device-to-host copies
     compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
     # fast path name -> why it failed at run time: from then on its reference path runs (see with_fallback)

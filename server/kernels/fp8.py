@@ -1,14 +1,14 @@
 """FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`, or, in a
-compiled step at a few tokens, read as FP8 inside one reduction (weight-only).
+compiled step at one token, read as FP8 inside one reduction (weight-only).
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
 once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
 activation per call, as separate ops, costs as much as FP8 saves on the weight read. Where the probe finds no row-wise
 `scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
 
-At a few tokens (decode) the weight read is the whole cost: the weight-only form widens each FP8 weight inside the
-reduction that accumulates in float32 and applies the row scale after it, with no activation quantization; inductor
-emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Eager it would materialize
+At one token (decode at batch 1) the weight read is the whole cost: the weight-only form widens each FP8 weight
+inside the reduction that accumulates in float32 and applies the row scale after it, with no activation
+quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Eager it would materialize
 [M, N, K], so it runs only under torch.compile, where the probe found the FP8 widening on the device.
 """
 
@@ -26,9 +26,9 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
 _ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
-# Up to this many tokens a compiled step reads FP8 weights in its own reduction; beyond, each weight row would be
-# re-read per token, and scaled_mm's tiles (or the caller's shared activation quantization) win.
-WEIGHT_ONLY_MAX_TOKENS = 4
+# Up to this many tokens a compiled step reads FP8 weights in its own reduction; beyond, scaled_mm's tiles win as
+# the weight is re-read per token. One: the batch-1 decode graph is traced apart, so the choice adds no graph.
+WEIGHT_ONLY_MAX_TOKENS = 1
 
 
 def quantize_fp8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,8 +177,8 @@ def test_decode_shapes_to_prepare_are_bounded_by_the_cache(tiny_checkpoint):
 
 
 def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint, monkeypatch):
-    """FP8 llama: the compiled decode step (batches of up to WEIGHT_ONLY_MAX_TOKENS) reads each FP8 weight inside
-    its reduction instead of quantizing the activation; the eager engine doing the same gives the same tokens."""
+    """FP8 llama, one request at a time: the compiled batch-1 decode step reads each FP8 weight inside its
+    reduction instead of quantizing the activation; the eager engine doing the same gives the same tokens."""
     from server.kernels import fp8
 
     path, _ = tiny_checkpoint("llama")
@@ -187,12 +187,12 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
     with monkeypatch.context() as patch:
         patch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
-        expected = [o.token_ids for o in eager.generate(prompts, params)]
+        expected = [eager.generate(p, params).token_ids for p in prompts]
     traced = []  # whether each activation quantization was traced into the compiled step
     quantize = fp8.quantize_activation
     monkeypatch.setattr(fp8, "quantize_activation",
                         lambda x: traced.append(torch.compiler.is_compiling()) or quantize(x))
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", quantization="fp8")
-    assert [o.token_ids for o in compiled.generate(prompts, params)] == expected
+    assert [compiled.generate(p, params).token_ids for p in prompts] == expected
     assert compiled.runner.decode_graphs.shapes_run  # the decode steps did run compiled
     assert traced and not any(traced)  # the eager prefill quantized; the compiled decode step never did
