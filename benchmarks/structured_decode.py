@@ -6,8 +6,8 @@ of a mixed batch (half each, the plain half's rate reported apart); rates per ro
         --tokenizer /path/to/Llama-3.1-8B-Instruct [--schema schema.json] [--max-tokens 256]
 
 `--tokenizer` is a checkpoint directory with the preset's tokenizer.json: the mask's cost grows with the
-vocabulary, so measure with the real one. Without it the demo model's small tokenizer stands in (the constraint
-then covers only its first ids, and the mask is cheaper than it would be). Random weights keep strings going, so
+vocabulary, so measure with the real one. Without it a synthetic byte-level BPE of the model's vocabulary size
+stands in (benchmarks/synthetic_tokenizer.py; its tokens are longer on average than real ones). Random weights keep strings going, so
 constrained rows usually run to --max-tokens like the plain ones. Prints one JSON line per batch size.
 """
 
@@ -16,8 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import replace
+
+from synthetic_tokenizer import write_synthetic_tokenizer
 
 NESTED_SCHEMA = {  # a typical nested response: objects in an array, enums, numbers, free strings
     "type": "object",
@@ -42,22 +45,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", default="1,16")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, help="cut the preset to its first N layers (a quick check)")
     args = parser.parse_args(argv)
 
     import torch
 
-    from server.bench.presets import load_preset
+    from server.bench.presets import load_preset, with_num_layers
     from server.bench.random_model import build_random_model
     from server.config import EngineConfig
     from server.engine import device as device_mod
-    from server.engine.demo import ensure_demo_model
     from server.engine.engine import Engine
     from server.engine.tokenizer import Tokenizer
     from server.engine.types import SamplingParams, StructuredOutput
 
     schema = json.loads(open(args.schema).read()) if args.schema else NESTED_SCHEMA
-    tokenizer = Tokenizer.from_pretrained(args.tokenizer or ensure_demo_model())
     hf_config = load_preset(args.preset).hf_config
+    if args.num_layers:
+        hf_config = with_num_layers(hf_config, args.num_layers)
+    if args.tokenizer is None:
+        args.tokenizer = write_synthetic_tokenizer(tempfile.mkdtemp(), hf_config["vocab_size"])
+    tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     device, _ = device_mod.select_device("auto")
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     model = build_random_model(hf_config, device, dtype, 0)
