@@ -7,7 +7,9 @@
 #   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs, 2,048-token prompts (prefill)
 #   qwenfp8off the same without CUDA graphs (the Mac-like mode)
 #   llamafp8   Llama-3.1-8B, batch 1, bf16 and FP8 side by side, with and without CUDA graphs
-#   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py)
+#   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py;
+#              a synthetic tokenizer of Llama-3's vocabulary size)
+#   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
@@ -31,9 +33,12 @@ for case in "$@"; do
                   --graphs off --json "$out/qwenfp8off.jsonl" > "$out/qwenfp8off.txt" 2>&1 ;;
     llamafp8) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
                 --graphs on,off --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
-    structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes 1,16 \
+    structured) timeout 300 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes 1,16 \
                   > "$out/structured.txt" 2>&1 ;;
-    selfcheck) timeout 300 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
+    fp8prefill) timeout 240 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
+                  --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
+                  --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
+    selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b}; do

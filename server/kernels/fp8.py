@@ -1,15 +1,17 @@
 """FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`, or, in a
-compiled step at one token, read as FP8 inside one reduction (weight-only).
+compiled step at one token on a device without it, read as FP8 inside one reduction (weight-only).
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
 once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
 activation per call, as separate ops, costs as much as FP8 saves on the weight read. Where the probe finds no row-wise
 `scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
 
-At one token (decode at batch 1) the weight read is the whole cost: the weight-only form widens each FP8 weight
-inside the reduction that accumulates in float32 and applies the row scale after it, with no activation
-quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Eager it would materialize
-[M, N, K], so it runs only under torch.compile, where the probe found the FP8 widening on the device.
+Where the device has no row-wise `scaled_mm`, a compiled step at one token (decode at batch 1) reads FP8 weights
+in the weight-only form instead of that slow fallback: each FP8 weight widened inside the reduction that
+accumulates in float32, the row scale applied after it, no activation quantization; inductor emits it as one
+reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Where `scaled_mm` exists it wins at one token
+too (docs/PERF.md, session 13), so it stays there. Eager the weight-only form would materialize [M, N, K], so it
+runs only under torch.compile, where the probe found the FP8 widening on the device.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
 _ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
-# Up to this many tokens a compiled step reads FP8 weights in its own reduction; beyond, scaled_mm's tiles win as
-# the weight is re-read per token. One: the batch-1 decode graph is traced apart, so the choice adds no graph.
+# Up to this many tokens a compiled step without row-wise scaled_mm reads FP8 weights in its own reduction; beyond,
+# the weight would be re-read per token. One: the batch-1 decode graph is traced apart, so it adds no graph.
 WEIGHT_ONLY_MAX_TOKENS = 1
 
 
@@ -86,7 +88,8 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
 
 
 def use_weight_only(device: torch.device, num_tokens) -> bool:
-    return torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
+    return (torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS
+            and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
 def fp8_weight_only_linear(

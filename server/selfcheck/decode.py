@@ -1,6 +1,6 @@
 """The decode step end to end: compiled against eager with the same tokens, then short decodes through the bench
-(tok/s, kernels per step, roofline fraction) on a tiny random model and on the smallest preset whose weights fit
-this device's memory with room for the KV cache."""
+(tok/s, kernels per step, roofline fraction) on a tiny random model (compiled) and on the smallest preset whose
+weights fit this device's memory with room for the KV cache (eager: its cold compile alone would take minutes)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ def decode_checks(device: torch.device, dtype: torch.dtype, sizes: DecodeSizes, 
     if preset is None:
         checks.append(Check(SECTION, "decode_preset", SKIP, why))
     else:
-        checks.append(attempt(SECTION, f"decode_{preset}", lambda: check_bench_decode(device, preset, quantize, sizes,
-                                                                                      copy_mib, why)))
+        checks.append(attempt(SECTION, f"decode_{preset}", lambda: check_bench_decode(
+            device, preset, quantize, sizes, copy_mib, why, compiled=False)))
     return checks
 
 
@@ -143,21 +143,25 @@ def fitting_preset(device: torch.device, dtype: torch.dtype) -> tuple[str | None
 
 
 def check_bench_decode(device: torch.device, preset: str, quantize: str, sizes: DecodeSizes, copy_mib: int,
-                       note: str = "") -> Check:
-    """A short bench at batch 1: decode tok/s, kernels per step and the roofline fraction."""
+                       note: str = "", compiled: bool = True) -> Check:
+    """A short bench at batch 1: decode tok/s, kernels per step and the roofline fraction. `compiled=False`: the
+    eager step, the speed served while the compiled one is built (a preset's cold compile takes minutes)."""
     from server.bench.run import run_bench
 
     opts = BenchOptions(preset=preset, batch_sizes=(1,), prompt_len=sizes.prompt_len,
                         decode_tokens=sizes.decode_tokens, device=device.type, quantize=(quantize,),
-                        reps=sizes.reps, copy_mib=copy_mib)
+                        reps=sizes.reps, copy_mib=copy_mib,
+                        engine_options={} if compiled else {"compile": "off"})
     record = run_bench(opts)[0]
     rate = record["decode_tok_s"]
     ok = math.isfinite(rate) and rate > 0
     kernels = record["kernels_per_step"]
     detail = (f"{rate:.1f} tok/s, {record['roofline_fraction']:.1%} of the copy-bandwidth roofline, "
               f"{'uncounted' if kernels is None else kernels} kernels/step ({record['kernels_counted_by']}), "
-              f"first call {record['first_call_s']:.1f} s" + (f"; {note}" if note else ""))
+              f"first call {record['first_call_s']:.1f} s" + ("" if compiled else ", eager step")
+              + (f"; {note}" if note else ""))
     values = {key: record[key] for key in ("decode_tok_s", "roofline_fraction", "kernels_per_step",
                                            "kernels_counted_by", "ms_per_token", "first_call_s", "dtype",
                                            "weight_bytes_per_token", "copy_gb_s", "cuda_graphs")}
-    return Check(SECTION, f"decode_{preset}", PASS if ok else FAIL, detail, {**values, "quantize": quantize})
+    return Check(SECTION, f"decode_{preset}", PASS if ok else FAIL, detail,
+                 {**values, "quantize": quantize, "compiled": compiled})
