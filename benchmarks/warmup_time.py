@@ -6,6 +6,8 @@ runs the same beside serving), with a cold and then a warm compile cache.
 
 The second run finds inductor's on-disk caches, as a restart of the server finds ~/.cache/mps-serve/inductor-3
 (the directory `mps-serve` sets as TORCHINDUCTOR_CACHE_DIR). Random weights, the serve defaults (16 sequences).
+With --serve-path it starts as `serve` does (the compile on a thread of its own) and reports the first token's
+seconds after the weights are loaded, when the compiled step is ready, and the decode rate before and after.
 Prints one JSON line.
 """
 
@@ -23,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--cache-dir", required=True, help="TORCHINDUCTOR_CACHE_DIR for this run")
+    parser.add_argument("--serve-path", action="store_true",
+                        help="compile in the background as `serve` does; time the first token and the compiled rate")
     args = parser.parse_args(argv)
     cache = Path(args.cache_dir)
     warm_cache = cache.is_dir() and any(cache.iterdir())
@@ -44,12 +48,42 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(model=args.preset, device=device.type, compile="on")
     engine = Engine.from_model(model, config, device, max_model_len=4096)
     built_s = time.perf_counter() - start
-    warm_up_s = engine.warm_up()
-    print(json.dumps({"preset": args.preset, "device": device.type,
-                      "torch_version": torch.__version__, "cache": "warm" if warm_cache else "cold",
-                      "build_s": round(built_s, 1), "warm_up_s": round(warm_up_s, 1),
-                      "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)}))
+    record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__,
+              "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
+    record.update(serve_path(engine, hf_config["vocab_size"]) if args.serve_path else
+                  {"warm_up_s": round(engine.warm_up(), 1),
+                   "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)})
+    print(json.dumps(record))
     return 0
+
+
+def serve_path(engine, vocab_size: int) -> dict:
+    """As `serve` starts: the compile on its own thread, a request answered meanwhile on the eager path; then the
+    decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded."""
+    import torch
+
+    from server.engine.types import SamplingParams
+
+    prompt = torch.randint(0, vocab_size, (128,)).tolist()
+    start = time.perf_counter()
+    background = engine.compile_in_background()
+    engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    first_token_s = time.perf_counter() - start
+    eager = _decode_rate(engine, prompt, 32)
+    background.join()
+    ready_s = time.perf_counter() - start
+    _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
+    return {"first_token_s": round(first_token_s, 2), "compile_state": engine.compile_state,
+            "compiled_ready_s": round(ready_s, 1), "eager_tok_s_while_compiling": round(eager, 1),
+            "compiled_tok_s": round(_decode_rate(engine, prompt, 128), 1)}
+
+
+def _decode_rate(engine, prompt: list[int], num_tokens: int) -> float:
+    from server.engine.types import SamplingParams
+
+    begin = time.perf_counter()
+    engine.generate(prompt, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True))
+    return num_tokens / (time.perf_counter() - begin)
 
 
 if __name__ == "__main__":
