@@ -35,7 +35,7 @@ for case in "$@"; do
                   --graphs off --json "$out/qwenfp8off.jsonl" > "$out/qwenfp8off.txt" 2>&1 ;;
     llamafp8) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
                 --graphs on,off --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
-    structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes 1,16 \
+    structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes ${STRUCTURED_BATCHES:-1,16} \
                   > "$out/structured.txt" 2>&1 ;;
     fp8prefill) timeout 240 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
                   --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
