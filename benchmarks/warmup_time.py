@@ -50,16 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     built_s = time.perf_counter() - start
     record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__,
               "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
-    record.update(serve_path(engine, hf_config["vocab_size"]) if args.serve_path else
-                  {"warm_up_s": round(engine.warm_up(), 1),
-                   "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)})
-    print(json.dumps(record))
+    if args.serve_path:
+        serve_path(engine, hf_config["vocab_size"], record)
+    else:
+        record.update({"warm_up_s": round(engine.warm_up(), 1),
+                       "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)})
+    print(json.dumps(record), flush=True)
     return 0
 
 
-def serve_path(engine, vocab_size: int) -> dict:
+def serve_path(engine, vocab_size: int, record: dict) -> None:
     """As `serve` starts: the compile on its own thread, a request answered meanwhile on the eager path; then the
-    decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded."""
+    decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded. The
+    first token's line is printed at once (`"partial": true`), so a run cut off while compiling still reports it."""
     import torch
 
     from server.engine.types import SamplingParams
@@ -69,13 +72,13 @@ def serve_path(engine, vocab_size: int) -> dict:
     background = engine.compile_in_background()
     engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     first_token_s = time.perf_counter() - start
-    eager = _decode_rate(engine, prompt, 32)
+    record.update(first_token_s=round(first_token_s, 2),
+                  eager_tok_s_while_compiling=round(_decode_rate(engine, prompt, 32), 1))
+    print(json.dumps({**record, "partial": True}), flush=True)
     background.join()
-    ready_s = time.perf_counter() - start
+    record["compiled_ready_s"] = round(time.perf_counter() - start, 1)
     _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
-    return {"first_token_s": round(first_token_s, 2), "compile_state": engine.compile_state,
-            "compiled_ready_s": round(ready_s, 1), "eager_tok_s_while_compiling": round(eager, 1),
-            "compiled_tok_s": round(_decode_rate(engine, prompt, 128), 1)}
+    record.update(compile_state=engine.compile_state, compiled_tok_s=round(_decode_rate(engine, prompt, 128), 1))
 
 
 def _decode_rate(engine, prompt: list[int], num_tokens: int) -> float:
