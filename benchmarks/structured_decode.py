@@ -8,8 +8,8 @@ of a mixed batch (half each, the plain half's rate reported apart); rates per ro
 `--tokenizer` is a checkpoint directory with the preset's tokenizer.json: the mask's cost grows with the
 vocabulary, so measure with the real one. Without it a synthetic byte-level BPE of the model's vocabulary size
 stands in (benchmarks/synthetic_tokenizer.py; its tokens are longer on average than real ones). Random weights
-keep strings going, so constrained rows usually run to --max-tokens like the plain ones. Prints one JSON line per
-batch size.
+keep strings going, so constrained rows usually run to --max-tokens like the plain ones. Each mode is timed --reps
+times, interleaved with the others, and its fastest run counts. Prints one JSON line per batch size.
 """
 
 from __future__ import annotations
