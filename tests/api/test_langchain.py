@@ -7,7 +7,7 @@ from __future__ import annotations
 import langchain_openai
 import pytest
 
-from tests.api.test_structured_api import Forecast
+from tests.api.test_structured_api import NO_THINKING, Forecast
 
 PROMPT = "describe the weather, as JSON"
 
@@ -15,7 +15,7 @@ PROMPT = "describe the weather, as JSON"
 def _chat(demo_server):
     return langchain_openai.ChatOpenAI(
         model="demo", base_url=f"{demo_server.url}/v1", api_key="unused", max_retries=0, timeout=60,
-        max_tokens=200, seed=5, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        max_tokens=200, seed=5, extra_body=NO_THINKING)
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
