@@ -38,7 +38,7 @@ for case in "$@"; do
                 --graphs on,off --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
     structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes ${STRUCTURED_BATCHES:-1,16} \
                   > "$out/structured.txt" 2>&1 ;;
-    fp8prefill) timeout 330 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 --graphs off \
+    fp8prefill) timeout ${FP8PREFILL_LIMIT_S:-560} python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 --graphs off \
                   --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
     startup) for run in cold warm; do timeout ${STARTUP_LIMIT_S:-300} python3 benchmarks/warmup_time.py --preset llama-3.1-8b \

@@ -120,8 +120,7 @@ def decode_graphs(model, config: EngineConfig, device: torch.device, dtype: torc
 
 def wants_compiled_prefill(config: EngineConfig, device: torch.device, decode_compiled: bool, hybrid: bool) -> bool:
     """An explicit setting wins. None: on where compiling makes prefill faster: with the compiled decode step, on
-    CUDA, bf16/fp16 weights (FP8 prefill stays eager until compiling it is shown to pay), attention-only models
-    (a hybrid's dynamic-shape prefill graph takes minutes to compile cold)."""
+    CUDA, attention-only models (a hybrid's dynamic-shape prefill graph takes minutes to compile cold)."""
     if config.compile_prefill is not None:
         return config.compile_prefill
-    return decode_compiled and device.type == "cuda" and not hybrid and config.quantization is None
+    return decode_compiled and device.type == "cuda" and not hybrid

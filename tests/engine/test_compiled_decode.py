@@ -128,7 +128,7 @@ def test_compiled_steps_match_eager_logprobs(tiny_checkpoint):
 @pytest.mark.parametrize("device, decode_compiled, hybrid, quantization, setting, expected", [
     ("cuda", True, False, None, None, True),  # the default where it was measured
     ("cuda", True, True, None, None, False),  # hybrids: minutes of cold compile, opt in
-    ("cuda", True, False, "fp8", None, False),  # FP8 prefill compiled: not measured yet
+    ("cuda", True, False, "fp8", None, True),  # FP8 compiled prefill matched bf16 compiled
     ("cuda", False, False, None, None, False),  # compile=off keeps everything eager
     ("mps", True, False, None, None, False),  # not measured on a Mac yet
     ("cpu", True, True, None, True, True),  # an explicit setting wins
