@@ -12,8 +12,9 @@
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B started as `serve` starts (compile in the background), cold then warm compile cache
-#              (each run up to STARTUP_LIMIT_S, 300 s; the first-token line is printed before the compile ends):
-#              first token and compiled-speed seconds after the weights are loaded (benchmarks/warmup_time.py)
+#              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s; partial lines are
+#              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
+#              weights are loaded (benchmarks/warmup_time.py)
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
@@ -41,8 +42,9 @@ for case in "$@"; do
     fp8prefill) timeout ${FP8PREFILL_LIMIT_S:-560} python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 --graphs off \
                   --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
-    startup) for run in cold warm; do timeout ${STARTUP_LIMIT_S:-300} python3 benchmarks/warmup_time.py --preset llama-3.1-8b \
-               --serve-path --cache-dir /tmp/startup-inductor 2>&1 | grep '^{' >> "$out/startup.txt"; done ;;
+    startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
+               benchmarks/warmup_time.py --preset llama-3.1-8b --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
+               | grep '^{\|compiled ' >> "$out/startup.txt"; done ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;

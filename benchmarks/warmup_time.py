@@ -7,14 +7,16 @@ runs the same beside serving), with a cold and then a warm compile cache.
 The second run finds inductor's on-disk caches, as a restart of the server finds ~/.cache/mps-serve/inductor-3
 (the directory `mps-serve` sets as TORCHINDUCTOR_CACHE_DIR). Random weights, the serve defaults (16 sequences).
 With --serve-path it starts as `serve` does (the compile on a thread of its own) and reports the first token's
-seconds after the weights are loaded, when the compiled step is ready, and the decode rate before and after.
-Prints one JSON line.
+seconds after the weights are loaded, when one sequence's steps run compiled (the first warm-up stage), when
+every stage is ready, and the decode rates on the way. Prints a JSON line at each of those points, the last one
+complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-path", action="store_true",
                         help="compile in the background as `serve` does; time the first token and the compiled rate")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the stages as they end
     cache = Path(args.cache_dir)
     warm_cache = cache.is_dir() and any(cache.iterdir())
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # before torch is imported
@@ -74,6 +77,12 @@ def serve_path(engine, vocab_size: int, record: dict) -> None:
     first_token_s = time.perf_counter() - start
     record.update(first_token_s=round(first_token_s, 2),
                   eager_tok_s_while_compiling=round(_decode_rate(engine, prompt, 32), 1))
+    print(json.dumps({**record, "partial": True}), flush=True)
+    while not (background.first_stage_ready or background.join(0.05)):
+        pass
+    record["one_sequence_compiled_s"] = round(time.perf_counter() - start, 1)  # its steps run compiled from here
+    _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
+    record["one_sequence_tok_s"] = round(_decode_rate(engine, prompt, 128), 1)
     print(json.dumps({**record, "partial": True}), flush=True)
     background.join()
     record["compiled_ready_s"] = round(time.perf_counter() - start, 1)

@@ -1,7 +1,9 @@
 """The compiled steps built beside serving. The engine answers on the eager path from the start; a thread of
-its own warms up a shadow engine (the same model and caches, the compiled runner, every block the null block:
-kv_manager.NullBlocks), and the engine moves its steps to that runner between two steps once it is ready. A
-compile that fails leaves the engine on the eager path with one warning, never a crash."""
+its own runs the warm-up stages (warmup.warm_up_stages: the decode step of one sequence first, then larger
+batches, then prefill) on padding rows and the null block (kv_manager.NullBlocks) of the same model and caches.
+After the first stage the engine moves to the compiled runner between two steps; what a later stage covers runs
+eagerly until that stage ends. A compile that fails leaves what it covers on the eager path with one warning,
+never a crash."""
 
 from __future__ import annotations
 
@@ -9,17 +11,19 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+
+from server.engine.warmup import Stage
 
 log = logging.getLogger(__name__)
 
 
 class BackgroundCompile:
-    def __init__(self, warm_up: Callable[[], float], device_name: str):
+    def __init__(self, stages: list[Stage], device_name: str):
         self.state = "compiling"
+        self.first_stage_ready = False  # the engine may move to the compiled runner
         self.error: str | None = None
         self.seconds: float | None = None
-        self._warm_up, self._device_name = warm_up, device_name
+        self._stages, self._device_name = stages, device_name
         self._thread = threading.Thread(target=self._run, name="mps-serve-compile", daemon=True)
 
     def start(self) -> None:
@@ -33,21 +37,35 @@ class BackgroundCompile:
 
     def _run(self) -> None:
         start = time.perf_counter()
+        what = "the decode step"
         try:
-            self._warm_up()
+            for what, run in self._stages:
+                run_stage(what, run, start)
+                self.first_stage_ready = True
         except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly
             self.error = describe_failure(exc)
             self.state = "failed"
-            log.warning("compiling the decode step failed on %s (%s); requests stay on the eager path, which is "
-                        "slower. Please report it on the mps-serve issue tracker with the output of "
-                        "`mps-serve selfcheck`.", self._device_name, self.error)
+            left = "what it covers stays" if self.first_stage_ready else "requests stay"
+            log.warning("compiling %s failed on %s (%s); %s on the eager path, which is slower. Please report it "
+                        "on the mps-serve issue tracker with the output of `mps-serve selfcheck`.", what,
+                        self._device_name, self.error, left)
             return
+        self.first_stage_ready = True  # also when there was no stage
         # What the compile left alive (graphs, dynamo's caches) joins start-up's objects out of the cyclic GC's
         # reach: a full collection walking them would stall every stream.
         gc.freeze()
         self.seconds = time.perf_counter() - start
         self.state = "ready"
-        log.info("compiled steps ready after %.1f s; requests move to them", self.seconds)
+        log.info("compiled steps ready after %.1f s", self.seconds)
+
+
+def run_stage(what: str, run, start: float) -> None:
+    """Run one warm-up stage and log when it is live."""
+    began = time.perf_counter()
+    run()
+    now = time.perf_counter()
+    log.info("compiled %s in %.1f s (%.1f s since the warm-up began); steps use it from now on", what, now - began,
+             now - start)
 
 
 def describe_failure(exc: BaseException) -> str:

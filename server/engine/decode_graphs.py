@@ -9,6 +9,7 @@ Padded rows read and write block 0, which the block allocator never hands out.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -110,29 +111,42 @@ class DecodeGraphs:
             self.block_counts.append(self.block_counts[-1] * 2)
         # The ids sampled by the last step, row = its sample row; any sampled step writes them here.
         self.last_token_ids = torch.zeros(self.batch_sizes[-1], dtype=torch.int64, device=device)  # [max_num_seqs]
+        # What warm-up runs write instead; made here, outside inference mode, so that its guards match the above.
+        self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark
         self.shapes_run: set[tuple[int, int]] = set()  # every padded (batch, blocks) shape the step has run at
+        # Steps of more sequences take the runner's other path: a background compile raises it as it goes.
+        self.ready_num_seqs = self.batch_sizes[-1]
+        self._capture_lock = threading.Lock()  # one capture into the shared graph pool at a time
 
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 
     @torch.inference_mode()  # as the steps' own inputs: else the CPU graphs differ in dispatch keys and recompile
-    def prepare_shapes(self, max_gather_blocks: int) -> int:
-        """Capture the CUDA graph of every (batch, blocks) bucket whose KV gather, batch x blocks, stays within
-        `max_gather_blocks` now, instead of when a stream first reaches it: a capture stalls every stream of the
-        batch while it runs. Steps of padding rows only. Without graphs the symbolic shapes need none of it.
-        -> the number of new shapes."""
-        if not self.use_graphs:
-            return 0
-        keys = [key for key in self.buckets_within(max_gather_blocks) if key not in self.graphs]
-        for num_seqs, num_blocks in keys:
-            packed_host = torch.tensor([self.rows.padding_row(num_blocks)] * num_seqs, dtype=torch.int64)
-            self.run(packed_host.pin_memory())
-        return len(keys)
+    def warm(self, batch_sizes: list[int], max_gather_blocks: int) -> int:
+        """Compile the step for these batch buckets and, with graphs, capture every (batch, blocks) bucket whose
+        KV gather, batch x blocks, stays within `max_gather_blocks` (a capture when a stream first reaches it
+        would stall every stream of its batch). Runs on padding rows and scratch ids only, so a serving thread
+        may replay the buckets already warm meanwhile. Without graphs, one run per batch bucket covers every
+        block count (symbolic) and finds any size guard that splits the batches (MoE's few-tokens path).
+        -> the number of shapes newly prepared."""
+        count, within = 0, self.buckets_within(max_gather_blocks)
+        for num_seqs in batch_sizes:
+            keys = [key for key in within if key[0] == num_seqs] or [(num_seqs, self.block_counts[0])]
+            for key in keys if self.use_graphs else keys[:1]:
+                if key in self.graphs or (not self.use_graphs and key in self.shapes_run):
+                    continue
+                if self.use_graphs:
+                    self._capture(key)
+                else:
+                    self.compiled(self._padding(key), self._scratch_ids)
+                self.shapes_run.add(key)
+                count += 1
+        return count
 
     def buckets_within(self, max_gather_blocks: int) -> list[tuple[int, int]]:
         """Every (batch, blocks) bucket whose KV gather, batch x blocks, is at most `max_gather_blocks`."""
@@ -176,9 +190,7 @@ class DecodeGraphs:
             return out
         self.shapes_run.add(key)
         if key not in self.graphs:
-            if before_write is not None:  # the warm-up runs of the capture write last_token_ids too
-                before_write()
-            self._capture(key, packed_host)
+            self._capture(key)
         graph, static_packed, static_out = self.graphs[key]
         static_packed.copy_(packed_host, non_blocking=True)
         if before_write is not None:
@@ -193,27 +205,31 @@ class DecodeGraphs:
         torch._dynamo.maybe_mark_dynamic(packed, 0)
         torch._dynamo.maybe_mark_dynamic(packed, 1)
 
-    def _capture(self, key, packed_host: torch.Tensor) -> None:
+    def _padding(self, key: tuple[int, int]) -> torch.Tensor:
+        """A step of padding rows on the device (the null block, the scratch state), its shape marked dynamic."""
+        num_seqs, num_blocks = key
+        packed = torch.tensor([self.rows.padding_row(num_blocks)] * num_seqs, dtype=torch.int64, device=self.device)
+        self._mark_shapes(packed)
+        return packed
+
+    def _capture(self, key: tuple[int, int]) -> None:
         start = time.perf_counter()
-        static_packed = packed_host.to(self.device)
-        if self.state_cache is not None:  # warm-up runs must not advance the real sequences' states
-            static_packed[:, DecodeRows.STATE_SLOT] = self.rows.scratch_state_slot
-        self._mark_shapes(static_packed)
-        # The warm-up runs execute and overwrite last_token_ids, which this very step may still have to read
-        # (its feed rows): restore them after each run. The capture itself executes nothing.
-        saved_ids = self.last_token_ids.clone()
+        static_packed = self._padding(key)  # a replay copies its step's rows in first
+        # Compile and warm up outside the capture, on scratch ids: a serving thread may be reading the real ones.
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):  # compile and warm up outside the capture
-                self.compiled(static_packed, self.last_token_ids)
-                self.last_token_ids.copy_(saved_ids)
+            for _ in range(2):
+                self.compiled(static_packed, self._scratch_ids)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the engine thread may serve eager steps while a background compile captures
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
-            static_out = self.compiled(static_packed, self.last_token_ids)
-        self.graph_pool = graph.pool()
-        self.graphs[key] = (graph, static_packed, static_out)
+        with self._capture_lock:
+            if key in self.graphs:  # the other thread captured it meanwhile
+                return
+            # thread_local: the engine thread may serve steps while a background compile captures
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+                static_out = self.compiled(static_packed, self.last_token_ids)
+            self.graph_pool = graph.pool()
+            self.graphs[key] = (graph, static_packed, static_out)
         self.compile_seconds += time.perf_counter() - start
         log.info("captured decode graph for batch %d x %d blocks in %.1f s", key[0], key[1], time.perf_counter() - start)

@@ -21,12 +21,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from server.config import EngineConfig
-from server.engine.background_compile import BackgroundCompile, describe_failure
+from server.engine.background_compile import BackgroundCompile, describe_failure, run_stage
 from server.engine.build import EngineParts, build_parts, load_pretrained
 from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
@@ -47,7 +48,7 @@ from server.engine.types import (
     StepFailedError,
     StreamDelta,
 )
-from server.engine.warmup import WARM_UP_PARAMS, warm_up_runs
+from server.engine.warmup import WARM_UP_PARAMS, PrefillForms, Stage, prefill_warm_up_runs, warm_up_stages
 from server.engine.weights import persistent_tensors, resolve_model_path
 from server.kernels.capabilities import REPORT_HINT
 
@@ -123,20 +124,39 @@ class Engine:
 
     def compile_in_background(self) -> BackgroundCompile | None:
         """Serve on the eager path now and warm the compiled steps up on a thread of their own; the engine moves
-        to them between two steps once they are ready, with the same tokens. None when nothing is to compile."""
+        to them between two steps, stage by stage (warmup.warm_up_stages), with the same tokens. None when
+        nothing is to compile."""
         if self.compile_state != "lazy":
             return None
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+        self._background = BackgroundCompile(self._warm_up_stages(compiled), str(self.device))
+        self._background.start()
+        return self._background
+
+    def _warm_up_stages(self, runner: ModelRunner) -> list[Stage]:
+        warm_prefill = partial(self._warm_prefill, runner.decode_graphs is None) if self.compile_prefill else None
+        return warm_up_stages(runner, self.kv_manager.num_usable_blocks, warm_prefill)
+
+    def _warm_prefill(self, decode_through_prefill: bool, compiled_forward) -> None:
+        """Compile the prefill forms through a shadow engine: the same model and caches, `compiled_forward`, no
+        decode graphs (so no write to the ids the serving steps feed from), every block the null block."""
+        runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+        runner.forward_steps = compiled_forward if decode_through_prefill else PrefillForms(compiled_forward, self.model)
         scratch = self.state_cache.scratch_slot if self.state_cache is not None else None
         null_blocks = NullBlocks(self.kv_manager.block_size, self.kv_manager.num_usable_blocks, scratch)
         parts = EngineParts(self.kv_cache, self.state_cache, null_blocks, Scheduler(self.scheduler.config, null_blocks),
-                            compiled, self.compile_prefill)
+                            runner, True)
         shadow = Engine(self.model, None, self.config, self.device, self.dtype, self.max_model_len, self.model_name,
                         parts)
-        self._background = BackgroundCompile(shadow.warm_up, str(self.device))
-        self._background.start()
-        return self._background
+        runs = prefill_warm_up_runs(decode_through_prefill, self.state_cache is not None, self.vocab_size,
+                                    self.config.max_num_batched_tokens, self.max_model_len)
+        shadow._warming_up = True
+        try:
+            for prompts in runs:
+                shadow.run_to_completion([shadow.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
+        except StepFailedError as exc:  # the caller reports the compile failure itself, not the lost step
+            raise (exc.__cause__ or exc) from None
 
     def _move_to_compiled_runner(self) -> None:
         """Between two steps: the compiled decode step feeds the ids of the step in flight from its own buffer."""
@@ -215,7 +235,8 @@ class Engine:
     def step(self) -> list[StreamDelta]:
         """Schedule and launch step N+1, then finish step N (read its ids, detokenize, stop checks) while
         the device computes N+1. On the CPU the launch itself computes, so nothing overlaps there."""
-        if self._compiled_runner is not None and self.runner is not self._compiled_runner and self._background.state == "ready":
+        if (self._compiled_runner is not None and self.runner is not self._compiled_runner
+                and self._background.first_stage_ready):
             self._move_to_compiled_runner()
         out = self.scheduler.schedule()
         try:
@@ -358,32 +379,15 @@ class Engine:
 
     def warm_up(self) -> float:
         """Compile (and capture) the compiled steps before serving, so that no request waits for them; returns
-        the seconds taken. The runs of `warm_up_runs`, then the CUDA graphs of the longer KV buckets
-        (DecodeGraphs.prepare_shapes). A no-op when nothing is compiled (the CPU default)."""
-        graphs = self.runner.decode_graphs
-        if graphs is None and not self.compile_prefill:
+        the seconds taken. The stages of warmup.warm_up_stages, in order. A no-op when nothing is compiled (the
+        CPU default)."""
+        if self.runner.decode_graphs is None and not self.compile_prefill:
             return 0.0
         start = time.perf_counter()
-        runs = warm_up_runs(graphs.batch_sizes if graphs is not None else None, self.compile_prefill,
-                            self.state_cache is not None, self.vocab_size, self.config.max_num_batched_tokens,
-                            self.max_model_len)
-        self._warming_up = True
-        try:
-            for prompts in runs:
-                self.run_to_completion([self.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
-        except StepFailedError as exc:  # the caller reports the compile failure itself, not the lost step
-            raise (exc.__cause__ or exc) from None
-        finally:
-            self._warming_up = False
-        compiled = time.perf_counter()
-        # Every decode bucket whose KV gather (batch x blocks, one layer at a time) is no larger than the cache's
-        # usable blocks: a bounded share of memory, where capturing every bucket up to 128k context would not be.
-        num_shapes = graphs.prepare_shapes(self.kv_manager.num_usable_blocks) if graphs is not None else 0
-        end = time.perf_counter()
+        for what, run in self._warm_up_stages(self.runner):
+            run_stage(what, run, start)
         self._warmed_up = True
-        log.info("compiled steps warmed up in %.1f s: %d compile runs %.1f s, %d more decode shapes captured %.1f s",
-                 end - start, len(runs), compiled - start, num_shapes, end - compiled)
-        return end - start
+        return time.perf_counter() - start
 
     def embed(self, prompts: Sequence[str | Sequence[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Pooled embedding of each prompt (text or token ids), truncated to `dimensions` if given; -> (vectors,

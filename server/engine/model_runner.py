@@ -176,7 +176,7 @@ class ModelRunner:
         input_ids.index_copy_(0, dest, prev.token_ids[rows.to(self.device, non_blocking=True)])
 
     def _is_plain_decode(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) <= self.decode_graphs.batch_sizes[-1] and all(
+        return len(chunks) <= self.decode_graphs.ready_num_seqs and all(
             c.num_tokens == 1 and c.sample and not c.request.return_all_logits for c in chunks
         )
 

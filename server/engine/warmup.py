@@ -1,29 +1,70 @@
-"""Which runs warm the compiled steps up before serving, so that no request waits for a compile or a capture.
-`Engine.warm_up` runs them, then has the decode graphs capture their longer KV buckets (prepare_shapes)."""
+"""What warms the compiled steps up, so that no request waits for a compile or a capture: stages, each live as
+soon as it ends (the decode step of one sequence first, which is what a single user needs), run in order by
+`Engine.warm_up` or beside serving by a BackgroundCompile."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from server.engine.types import SamplingParams
 from server.kernels.gated_delta import CHUNK_SIZE
 
 WARM_UP_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
 
+Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
 
-def warm_up_runs(decode_batch_sizes: list[int] | None, compile_prefill: bool, hybrid: bool, vocab_size: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> list[list[list[int]]]:
-    """The batches of prompt ids to run, one batch per run, with WARM_UP_PARAMS.
 
-    Decode: one run per batch bucket of the compiled decode step (None: there is none), of 1-token prompts, so
-    the whole batch is prefilled in one step through the decode step, then decodes. Batch 1 compiles apart, then
-    one graph serves larger batches, whose later buckets only capture CUDA graphs unless a size guard differs,
-    as MoE's few-tokens path does. With compile_prefill,
-    also the prefill forms (a fresh prompt alone, fresh prompts together, continued chunks and mixes), each
-    with few and with many tokens (MoE paths differ)."""
-    if decode_batch_sizes is None:  # decode steps run through the compiled prefill forward: one sequence, several
-        decode_batch_sizes = [1, 2]
-    runs = [[[1 + i % (vocab_size - 1)] for i in range(n)] for n in decode_batch_sizes]
-    if not compile_prefill:
-        return runs
+def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None) -> list[Stage]:
+    """The stages that warm `runner`'s compiled steps up. Until a stage ends, the runner takes its eager path for
+    what the stage covers: decode steps of more sequences than `ready_num_seqs`, and prefill (its forward is the
+    eager model until `warm_prefill(compiled_forward)` has run). Stages run on padding rows, scratch ids and the
+    null block only, so they may run while the runner serves."""
+    graphs, stages = runner.decode_graphs, []
+    if graphs is not None:
+        graphs.ready_num_seqs = 0
+        sizes = graphs.batch_sizes
+
+        def one_sequence() -> None:
+            graphs.warm(sizes[:1], max_gather_blocks)
+            graphs.ready_num_seqs = 1
+
+        def larger_batches() -> None:
+            graphs.warm(sizes[1:], max_gather_blocks)
+            graphs.ready_num_seqs = sizes[-1]
+
+        stages.append(("the decode step of one sequence", one_sequence))
+        if len(sizes) > 1:
+            stages.append((f"the decode step of 2-{sizes[-1]} sequences", larger_batches))
+    if warm_prefill is not None:
+        compiled_forward, runner.forward_steps = runner.forward_steps, runner.model
+
+        def prefill() -> None:
+            warm_prefill(compiled_forward)
+            runner.forward_steps = compiled_forward
+
+        stages.append(("prefill", prefill))
+    return stages
+
+
+class PrefillForms:
+    """The forward of prefill warm-up runs: `compiled` for steps with more than one token of some sequence, the
+    eager model for one token per sequence, which the serving runner sends to its compiled decode step."""
+
+    def __init__(self, compiled, model):
+        self.compiled, self.model = compiled, model
+
+    def __call__(self, input_ids, positions, meta, kv_layers):
+        forward = self.model if meta.query_index.shape[1] == 1 else self.compiled
+        return forward(input_ids, positions, meta, kv_layers)
+
+
+def prefill_warm_up_runs(decode_through_prefill: bool, hybrid: bool, vocab_size: int, max_num_batched_tokens: int,
+                         max_model_len: int) -> list[list[list[int]]]:
+    """The batches of prompt ids that compile the prefill forms, one batch per run, with WARM_UP_PARAMS: a fresh
+    prompt alone, fresh prompts together, continued chunks and mixes, each with few and with many tokens (MoE
+    paths differ). `decode_through_prefill` (no compiled decode step): decode steps of one sequence and of
+    several run through the same forward, so those too."""
+    runs = [[[1]], [[1], [2]]] if decode_through_prefill else []
     budget = max_num_batched_tokens
     shapes = [(1, 3), (1, budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]  # (prompts, prompt length)
     if hybrid:  # the chunked GDN specializes on one chunk or more and on padding, and each decoder layer

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 import torch._inductor.compile_fx
 
+from server.engine.decode_graphs import DecodeGraphs
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from tests.helpers import ENGINE_KW, random_ids
@@ -35,8 +37,8 @@ def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch
     prompts = [random_ids(n, n + 1) for n in (5, 13)]
     expected = eager_tokens(path, prompts)
     gate = threading.Event()
-    warm_up = Engine.warm_up
-    monkeypatch.setattr(Engine, "warm_up", lambda self: gate.wait(120) and warm_up(self))  # held until the gate
+    warm = DecodeGraphs.warm
+    monkeypatch.setattr(DecodeGraphs, "warm", lambda self, *args: gate.wait(120) and warm(self, *args))  # held
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert engine.compile_state == "lazy"
     background = engine.compile_in_background()
@@ -57,6 +59,41 @@ def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch
     assert [r.output_token_ids for r in requests] == expected
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert engine.kv_manager.num_used_blocks == 0 and engine.stats().compile_state == "ready"
+
+
+def test_one_sequence_moves_to_the_compiled_step_while_larger_batches_still_compile(tiny_checkpoint, monkeypatch):
+    """The decode step of one sequence compiles first and is used as soon as it is ready: a single user gets the
+    compiled speed while the larger batches compile; a batch of two runs eagerly until its stage ends."""
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 7) for n in (6, 11)]
+    expected = eager_tokens(path, prompts)
+    gate, warm, run = threading.Event(), DecodeGraphs.warm, DecodeGraphs.run
+
+    def held_warm(self, batch_sizes, max_gather_blocks):
+        if batch_sizes[0] > 1:
+            gate.wait(120)
+        return warm(self, batch_sizes, max_gather_blocks)
+
+    served = []  # the padded batch of each compiled step the engine ran
+    monkeypatch.setattr(DecodeGraphs, "warm", held_warm)
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
+        packed_host.shape[0]) or run(self, packed_host, before_write))
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    background = engine.compile_in_background()
+    for _ in range(1200):
+        if background.first_stage_ready or background.state == "failed":
+            break
+        time.sleep(0.1)
+    assert background.first_stage_ready and engine.compile_state == "compiling", background.error
+    assert [o.token_ids for o in engine.generate(prompts[:1], PARAMS)] == expected[:1]
+    assert served and set(served) == {1}  # every decode step of the single sequence ran compiled
+    served.clear()
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert 2 not in served  # the two sequences decoded together eagerly
+    gate.set()
+    assert background.join(300) and engine.compile_state == "ready", background.error
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert 2 in served and engine.kv_manager.num_used_blocks == 0
 
 
 def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
@@ -88,8 +125,8 @@ def test_the_serving_engine_answers_while_compiling_and_logs_its_start_up(tiny_c
 
     path, _ = tiny_checkpoint("llama")
     gate = threading.Event()
-    warm_up = Engine.warm_up
-    monkeypatch.setattr(Engine, "warm_up", lambda self: gate.wait(120) and warm_up(self))
+    warm = DecodeGraphs.warm
+    monkeypatch.setattr(DecodeGraphs, "warm", lambda self, *args: gate.wait(120) and warm(self, *args))
     prompt = random_ids(6, 3)
     expected = eager_tokens(path, [prompt])[0]
 

@@ -110,7 +110,7 @@ def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_check
     expected = _tokens(path, compile="off")
     engine = make_engine(path, compile="on", max_num_seqs=2)
     with monkeypatch.context() as patch:
-        patch.setattr(Engine, "warm_up", lambda self: 0.0)  # "ready" at once; nothing is compiled in this test
+        patch.setattr(Engine, "_warm_up_stages", lambda self, runner: [])  # "ready" at once: nothing compiled
         assert engine.compile_in_background().join(60) and engine.compile_state == "ready"
     monkeypatch.setattr(type(engine.runner), "launch", broken_launch := _raising_launch(type(engine.runner).launch))
     with caplog.at_level(logging.WARNING):
