@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 
 from server.engine.warmup import Stage
 
 log = logging.getLogger(__name__)
+
+SERVING_SWITCH_INTERVAL_S = 0.0002  # while compiling beside serving
 
 
 class BackgroundCompile:
@@ -37,6 +40,16 @@ class BackgroundCompile:
 
     def _run(self) -> None:
         start = time.perf_counter()
+        # The compile holds the GIL for long stretches of Python; a serving step waits for it at every
+        # re-acquisition, up to the switch interval (5 ms by default) each time.
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SERVING_SWITCH_INTERVAL_S)
+        try:
+            self._run_stages(start)
+        finally:
+            sys.setswitchinterval(switch_interval)
+
+    def _run_stages(self, start: float) -> None:
         what = "the decode step"
         try:
             for what, run in self._stages:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -12,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch._inductor.compile_fx
 
+from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S
 from server.engine.decode_graphs import DecodeGraphs
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
@@ -79,12 +81,15 @@ def test_one_sequence_moves_to_the_compiled_step_while_larger_batches_still_comp
     monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
         packed_host.shape[0]) or run(self, packed_host, before_write))
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    default_switch_interval = sys.getswitchinterval()
     background = engine.compile_in_background()
     for _ in range(1200):
         if background.first_stage_ready or background.state == "failed":
             break
         time.sleep(0.1)
     assert background.first_stage_ready and engine.compile_state == "compiling", background.error
+    switch_interval = sys.getswitchinterval()  # short while compiling: serving steps wait less for the GIL
+    assert switch_interval == pytest.approx(SERVING_SWITCH_INTERVAL_S) and switch_interval < default_switch_interval
     assert [o.token_ids for o in engine.generate(prompts[:1], PARAMS)] == expected[:1]
     assert served and set(served) == {1}  # every decode step of the single sequence ran compiled
     served.clear()
@@ -92,6 +97,7 @@ def test_one_sequence_moves_to_the_compiled_step_while_larger_batches_still_comp
     assert 2 not in served  # the two sequences decoded together eagerly
     gate.set()
     assert background.join(300) and engine.compile_state == "ready", background.error
+    assert sys.getswitchinterval() == default_switch_interval
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert 2 in served and engine.kv_manager.num_used_blocks == 0
 
