@@ -11,7 +11,7 @@
 #              a synthetic tokenizer of Llama-3's vocabulary size)
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
-#   startup    Llama-3.1-8B started as `serve` starts (compile in the background), cold then warm compile cache
+#   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py)
@@ -43,7 +43,7 @@ for case in "$@"; do
                   --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
-               benchmarks/warmup_time.py --preset llama-3.1-8b --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
+               benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
                | grep '^{\|compiled ' >> "$out/startup.txt"; done ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
