@@ -1,6 +1,6 @@
 """The compiled steps built beside serving. The engine answers on the eager path from the start; a thread of
-its own runs the warm-up stages (warmup.warm_up_stages: the decode step of one sequence first, then larger
-batches, then prefill) on padding rows and the null block (kv_manager.NullBlocks) of the same model and caches.
+its own runs the warm-up stages (warmup.warm_up_stages: the decode step of one sequence first, then the
+sampler, larger batches, prefill) on padding rows and the null block (kv_manager.NullBlocks) of the same model and caches.
 After the first stage the engine moves to the compiled runner between two steps; what a later stage covers runs
 eagerly until that stage ends. A compile that fails leaves what it covers on the eager path with one warning,
 never a crash."""

@@ -104,6 +104,7 @@ class ModelRunner:
         # With the compiled decode step, sampling is compiled too: the seeded sampler is several times faster
         # compiled than eager per step; greedy-only batches stay eager (argmax).
         self._sample = torch.compile(sampling.sample, fullgraph=True, dynamic=None) if decode_graphs else sampling.sample
+        self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
         self.forward_steps = model  # prefill and mixed steps (the eager model, or a compiled one: compile_prefill)
@@ -151,7 +152,18 @@ class ModelRunner:
     def _sample_rows(self, logits: torch.Tensor, rows: list[sampling.SamplingRow],
                      token_bitmask: torch.Tensor | None) -> sampling.SamplerOutput:
         batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask)
-        return sampling.sample(logits, batch) if batch.all_greedy else self._sample(logits, batch)
+        eager = batch.all_greedy or not self.sampler_ready
+        return sampling.sample(logits, batch) if eager else self._sample(logits, batch)
+
+    @torch.inference_mode()
+    def warm_sampler(self) -> None:
+        """Compile the sampler for the usual sampled requests (a temperature, with top-p or without), at one row
+        and at several, so that the first of them does not wait for it."""
+        for top_p in (1.0, 0.95):
+            for num_rows in (1, 2):
+                rows = [sampling.SamplingRow(temperature=0.7, top_p=top_p, seed=row) for row in range(num_rows)]
+                batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
+                self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch)
 
     def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
         """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""

@@ -16,8 +16,8 @@ Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
 
 def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None) -> list[Stage]:
     """The stages that warm `runner`'s compiled steps up. Until a stage ends, the runner takes its eager path for
-    what the stage covers: decode steps of more sequences than `ready_num_seqs`, and prefill (its forward is the
-    eager model until `warm_prefill(compiled_forward)` has run). Stages run on padding rows, scratch ids and the
+    what the stage covers: decode steps of more sequences than `ready_num_seqs`, sampled (not greedy) rows
+    (`sampler_ready`), and prefill (its forward is the eager model until `warm_prefill(compiled_forward)` has run). Stages run on padding rows, scratch ids and the
     null block only, so they may run while the runner serves."""
     graphs, stages = runner.decode_graphs, []
     if graphs is not None:
@@ -32,7 +32,13 @@ def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[objec
             graphs.warm(sizes[1:], max_gather_blocks)
             graphs.ready_num_seqs = sizes[-1]
 
-        stages.append(("the decode step of one sequence", one_sequence))
+        runner.sampler_ready = False
+
+        def sampler() -> None:
+            runner.warm_sampler()
+            runner.sampler_ready = True
+
+        stages += [("the decode step of one sequence", one_sequence), ("the sampler", sampler)]
         if len(sizes) > 1:
             stages.append((f"the decode step of 2-{sizes[-1]} sequences", larger_batches))
     if warm_prefill is not None:

@@ -87,6 +87,10 @@ def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):
     prompts = [random_ids(n, n + 40) for n in (40, 150, 7)]  # batch 3 (bucket 4), KV buckets 16 to 64 blocks
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in compiled.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    for top_p in (1.0, 0.9):  # sampled requests: the sampler was compiled too
+        params = SamplingParams(max_tokens=6, temperature=0.8, top_p=top_p, seed=5, ignore_eos=True)
+        assert [o.token_ids for o in compiled.generate(prompts[:1], params)] == [
+            o.token_ids for o in eager.generate(prompts[:1], params)]
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert (4, 64) in compiled.runner.decode_graphs.shapes_run  # a new batch and KV bucket, same compiled graph
 
