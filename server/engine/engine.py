@@ -51,6 +51,7 @@ from server.engine.types import (
 from server.engine.warmup import WARM_UP_PARAMS, PrefillForms, Stage, prefill_warm_up_runs, warm_up_stages
 from server.engine.weights import persistent_tensors, resolve_model_path
 from server.kernels.capabilities import REPORT_HINT
+from server.models.tracing_shield import shield_from_tracing
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class Engine:
         nothing is to compile."""
         if self.compile_state != "lazy":
             return None
+        shield_from_tracing(self.model)  # the serving thread runs modules eagerly while the compile traces
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
         self._background = BackgroundCompile(self._warm_up_stages(compiled), str(self.device))
