@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             state += ", one sequence compiled"
         for n in (1, 2):
             got = [o.token_ids for o in compiled.generate(prompts[:n], params)]
+            if f"{state}, batch {n}" not in counts:
+                print(f"{time.perf_counter() - start:.1f} s: {state}, batch {n}", flush=True)
             tally = counts.setdefault(f"{state}, batch {n}", {"runs": 0, "differ": 0})
             tally["runs"] += 1
             tally["differ"] += got != expected[n]
