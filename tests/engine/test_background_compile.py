@@ -122,6 +122,34 @@ def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpo
     assert engine.runner.decode_graphs is None and engine.kv_manager.num_used_blocks == 0
 
 
+def test_a_later_stage_that_fails_leaves_only_what_it_covers_eager(tiny_checkpoint, monkeypatch, caplog):
+    """The decode step of one sequence compiled, the larger batches' stage failed: one warning naming that stage,
+    single sequences stay compiled, batches run eagerly, the tokens are the eager ones."""
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 3) for n in (7, 12)]
+    expected = eager_tokens(path, prompts)
+    warm, run = DecodeGraphs.warm, DecodeGraphs.run
+
+    def failing_warm(self, batch_sizes, max_gather_blocks):
+        if batch_sizes[0] > 1:
+            raise RuntimeError("no kernel for this batch on this device")
+        return warm(self, batch_sizes, max_gather_blocks)
+
+    served = []
+    monkeypatch.setattr(DecodeGraphs, "warm", failing_warm)
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
+        packed_host.shape[0]) or run(self, packed_host, before_write))
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    with caplog.at_level(logging.WARNING):
+        assert engine.compile_in_background().join(300)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "the decode step of 2-8 sequences failed" in warnings[0], warnings
+    assert "no kernel for this batch" in warnings[0] and "what it covers stays on the eager path" in warnings[0]
+    assert engine.compile_state == "failed"
+    assert [o.token_ids for o in engine.generate(prompts[:1], PARAMS)] == expected[:1] and set(served) == {1}
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected and 2 not in served
+
+
 def test_the_serving_engine_answers_while_compiling_and_logs_its_start_up(tiny_checkpoint, monkeypatch, caplog):
     """AsyncEngine (what `serve` runs): the compile starts beside serving, the first request is answered while it
     runs, and the log has the start-up phases: weights loaded, compile started, first token served."""
