@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, model_name: str, parts: EngineParts | None = None, pooling: Pooling | None = None):
+        shield_from_tracing(model)  # eager steps may run while a background compile traces the model
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.pooling = pooling  # set for embedding checkpoints (embeddings.read_pooling)
         if pooling is not None:
@@ -129,7 +130,6 @@ class Engine:
         nothing is to compile."""
         if self.compile_state != "lazy":
             return None
-        shield_from_tracing(self.model)  # the serving thread runs modules eagerly while the compile traces
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
         self._background = BackgroundCompile(self._warm_up_stages(compiled), str(self.device))
