@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
 from server.kernels import flex_decode, sampling
 from server.models.base import AttentionMetadata
@@ -140,10 +141,11 @@ class DecodeGraphs:
             for key in keys if self.use_graphs else keys[:1]:
                 if key in self.graphs or (not self.use_graphs and key in self.shapes_run):
                     continue
-                if self.use_graphs:
-                    self._capture(key)
-                else:
-                    self.compiled(self._padding(key), self._scratch_ids)
+                with serialized_device_work(self.device):
+                    if self.use_graphs:
+                        self._capture(key)
+                    else:
+                        self.compiled(self._padding(key), self._scratch_ids)
                 self.shapes_run.add(key)
                 count += 1
         return count

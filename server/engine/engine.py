@@ -29,6 +29,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.background_compile import BackgroundCompile, describe_failure, run_stage
 from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
 from server.engine.kv_manager import NullBlocks
@@ -242,7 +243,8 @@ class Engine:
             self._move_to_compiled_runner()
         out = self.scheduler.schedule()
         try:
-            return self._run_step(out)
+            with serialized_device_work(self.device):
+                return self._run_step(out)
         except Exception as exc:
             raise self._abandon_step(out, exc) from exc
 
@@ -406,7 +408,8 @@ class Engine:
                 raise InvalidRequestError(
                     f"input[{index}] is {len(ids)} tokens, more than this model's maximum context length of "
                     f"{self.max_model_len} tokens.", param="input", code="context_length_exceeded")
-            vector = pool(hidden_states(self.model, ids, self.device), self.pooling).tolist()
+            with serialized_device_work(self.device):
+                vector = pool(hidden_states(self.model, ids, self.device), self.pooling).tolist()
             vectors.append(truncate(vector, dimensions, self.pooling.normalize))
             num_tokens += len(ids)
         return vectors, num_tokens

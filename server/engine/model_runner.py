@@ -9,6 +9,7 @@ import torch
 import torch.fx.experimental._config as shape_config
 from torch import nn
 
+from server.engine.device import serialized_device_work
 from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
@@ -162,8 +163,9 @@ class ModelRunner:
         for top_p in (1.0, 0.95):
             for num_rows in (1, 2):
                 rows = [sampling.SamplingRow(temperature=0.7, top_p=top_p, seed=row) for row in range(num_rows)]
-                batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
-                self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch)
+                with serialized_device_work(self.device):
+                    batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
+                    self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch)
 
     def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
         """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""

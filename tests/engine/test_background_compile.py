@@ -102,6 +102,43 @@ def test_one_sequence_moves_to_the_compiled_step_while_larger_batches_still_comp
     assert 2 in served and engine.kv_manager.num_used_blocks == 0
 
 
+class RecordingLock:
+    """An RLock that records which threads held it and whether two ever held it at once."""
+
+    def __init__(self):
+        self._lock, self.threads, self.holders, self.overlaps = threading.RLock(), set(), 0, 0
+
+    def __enter__(self):
+        self._lock.acquire()
+        self.holders += 1
+        self.overlaps += self.holders > 1 and self._owner != threading.get_ident()
+        self._owner = threading.get_ident()
+        self.threads.add(threading.current_thread().name)
+
+    def __exit__(self, *exc):
+        self.holders -= 1
+        self._lock.release()
+
+
+def test_where_the_backend_needs_it_the_compile_and_the_steps_take_turns(tiny_checkpoint, monkeypatch):
+    """MPS aborts the process when two threads run device work at once: there every engine step and every
+    warm-up compile run hold one lock (here the CPU is made such a backend), and the tokens stay the eager ones."""
+    import server.engine.device as device_mod
+
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 11) for n in (5, 10)]
+    expected = eager_tokens(path, prompts)
+    lock = RecordingLock()
+    monkeypatch.setattr(device_mod, "_SERIAL_BACKENDS", {"cpu": lock})
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    background = engine.compile_in_background()
+    while not background.join(0):
+        assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert background.state == "ready", background.error
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert {"MainThread", "mps-serve-compile"} <= lock.threads and lock.overlaps == 0
+
+
 def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
     path, _ = tiny_checkpoint("llama")
     prompts = [random_ids(n, n + 2) for n in (4, 9)]
