@@ -16,9 +16,9 @@ def test_fp8_loading_matches_post_hoc_quantization_and_stays_close(arch, tiny_ch
     path, hf_model = tiny_checkpoint(arch)
     full = Engine.from_pretrained(str(path), **ENGINE_KW)
     fp8 = Engine.from_pretrained(str(path), **ENGINE_KW, quantization="fp8")
-    kinds = {type(m) for m in fp8.model.modules()}
-    assert LoadableFp8Linear in {k.__mro__[1] for k in kinds} | kinds
-    assert (Fp8FusedExperts in kinds) == (arch == "qwen3_moe")
+    modules = list(fp8.model.modules())
+    assert any(isinstance(m, LoadableFp8Linear) for m in modules)
+    assert any(isinstance(m, Fp8FusedExperts) for m in modules) == (arch == "qwen3_moe")
     assert fp8.model.model.embed_tokens.weight.dtype == torch.float32  # embeddings and norms stay
     ids = random_ids(30, 4)
     ours = fp8.score(ids)
