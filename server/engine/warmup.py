@@ -17,8 +17,9 @@ Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
 def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None) -> list[Stage]:
     """The stages that warm `runner`'s compiled steps up. Until a stage ends, the runner takes its eager path for
     what the stage covers: decode steps of more sequences than `ready_num_seqs`, sampled (not greedy) rows
-    (`sampler_ready`), and prefill (its forward is the eager model until `warm_prefill(compiled_forward)` has run). Stages run on padding rows, scratch ids and the
-    null block only, so they may run while the runner serves."""
+    (`sampler_ready`), and prefill (its forward is the eager model until `warm_prefill(compiled_forward)` has
+    run). Stages run on padding rows, scratch ids and the null block only, so they may run while the runner
+    serves."""
     graphs, stages = runner.decode_graphs, []
     if graphs is not None:
         graphs.ready_num_seqs = 0
