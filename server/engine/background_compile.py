@@ -50,7 +50,6 @@ class BackgroundCompile:
             sys.setswitchinterval(switch_interval)
 
     def _run_stages(self, start: float) -> None:
-        what = "the decode step"
         try:
             for what, run in self._stages:
                 run_stage(what, run, start)

@@ -13,12 +13,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # Backends whose device work two threads must not run at once: torch's MPS backend aborts the process when two
 # Python threads run MPS ops together (pytorch/pytorch#197805, seen on torch 2.14 and 2.15 nightlies).
 _SERIAL_BACKENDS = {"mps": threading.RLock()}
+_NO_LOCK = nullcontext()  # reusable: nothing to hold
 
 
 def serialized_device_work(device: torch.device) -> AbstractContextManager:
     """Held around each unit of device work that may run beside another thread's (an engine step, a warm-up
     compile run): a process-wide lock where the backend needs one, else nothing."""
-    return _SERIAL_BACKENDS.get(device.type) or nullcontext()
+    return _SERIAL_BACKENDS.get(device.type, _NO_LOCK)
 
 
 def mps_unavailable_reason() -> str | None:
