@@ -46,7 +46,7 @@ for case in "$@"; do
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
-               | grep '^{\|compiled ' >> "$out/startup.txt"; done ;;
+               | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --timeout-s 200 \
                    > "$out/stagedcheck.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;

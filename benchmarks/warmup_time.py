@@ -88,6 +88,8 @@ def serve_path(engine, vocab_size: int, record: dict) -> None:
     record["compiled_ready_s"] = round(time.perf_counter() - start, 1)
     _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
     record.update(compile_state=engine.compile_state, compiled_tok_s=round(_decode_rate(engine, prompt, 128), 1))
+    if background.error is not None:
+        record["compile_error"] = background.error
 
 
 def _decode_rate(engine, prompt: list[int], num_tokens: int) -> float:

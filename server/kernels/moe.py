@@ -32,15 +32,22 @@ def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
 
     With renormalization the weights are the softmax of the k winning logits, which equals the full softmax
     renormalized over them, and costs no softmax over all E nor a separate sum of the winners."""
-    # Unsorted: slot order only changes the fp32 summation order, and sorting the k winners costs a kernel of
-    # its own per layer. The winners are picked in the logits' own dtype (widening to fp32 keeps their order and
-    # would cost a kernel of its own).
-    if renormalize:
-        top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1, sorted=False)
+    # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
+    if renormalize and fuses_top_k(top_k):
+        rounds, expert_ids = _top_k_rounds(router_logits, top_k)
+        # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
+        # reduction over the k columns is left, which would be a kernel of its own, and the weights stay an
+        # expression the expert reductions read inline.
+        total = sum(torch.exp(value.float() - rounds[0].float()) for value in rounds)  # [T, 1]
+        top_logits = torch.cat(rounds, dim=-1).float()  # [T, k]
+        weights = torch.exp(top_logits - top_logits[:, :1]) / total
+        expert_ids = torch.cat(expert_ids, dim=-1)
+    elif renormalize:
+        top_logits, expert_ids = top_k_unsorted(router_logits, top_k)
         weights = torch.softmax(top_logits.float(), dim=-1)
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, expert_ids = torch.topk(probs, top_k, dim=-1, sorted=False)
+        weights, expert_ids = top_k_unsorted(probs, top_k)
     return weights.to(router_logits.dtype), expert_ids
 
 
@@ -54,13 +61,46 @@ def route_sigmoid_bias(
     """LFM2-MoE routing: experts chosen by sigmoid + bias (fp32), weighted by the unbiased sigmoid (model dtype)."""
     scores = router_logits.sigmoid()  # [T, E] in the model dtype, as HF computes it
     if expert_bias is None:
-        weights, expert_ids = torch.topk(scores, top_k, dim=-1, sorted=False)  # unsorted: see route_softmax
+        weights, expert_ids = top_k_unsorted(scores, top_k)
     else:
-        expert_ids = torch.topk(scores + expert_bias.float(), top_k, dim=-1, sorted=False).indices
+        expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k)[1]
         weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return weights * scaling, expert_ids
+
+
+def top_k_unsorted(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last dim, in no promised order -> (values [T, k], ids [T, k] int64).
+
+    Slot order only changes the fp32 summation order of the combine, and sorting the winners costs a kernel."""
+    if not fuses_top_k(top_k):
+        return torch.topk(scores, top_k, dim=-1, sorted=False)
+    values, ids = _top_k_rounds(scores, top_k)
+    return torch.cat(values, dim=-1), torch.cat(ids, dim=-1)
+
+
+def fuses_top_k(top_k: int) -> bool:
+    """Inside torch.compile, k rounds of max-then-mask trace to reductions over the same row, which inductor runs
+    as one kernel with whatever consumes the winners per row; torch.topk is a library call on every backend, a
+    kernel of its own per layer."""
+    return torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K
+
+
+def _top_k_rounds(scores: torch.Tensor, top_k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """k rounds of (max, its index) over the last dim, each round masking the last winner -> k values [T, 1]
+    in descending order and k ids [T, 1]. A tie goes to one index per round, so the set equals topk's."""
+    columns = torch.arange(scores.shape[-1], device=scores.device)  # [E]
+    values, ids = [], []
+    for _ in range(top_k):
+        value, index = scores.max(dim=-1, keepdim=True)  # [T, 1] each
+        values.append(value)
+        ids.append(index)
+        scores = scores.masked_fill(columns == index, float("-inf"))
+    return values, ids
+
+
+MAX_FUSED_TOP_K = 16  # the rounds unroll in the graph; the routers served pick 4-10
 
 
 def moe_experts(

@@ -149,3 +149,37 @@ def test_route_and_experts_compile_fullgraph_on_cpu(dtype, num_tokens):
     x, logits = torch.randn(num_tokens, 32).to(dtype), torch.randn(num_tokens, 8).to(dtype)
     out = compiled(x, logits)
     assert _rel_err(out, block(x, logits)) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_top_k_picks_the_same_winners_as_topk(dtype):
+    # 128 bf16 draws per row hold ties, which the rounds must split without picking an index twice
+    scores = torch.randn(37, 128).to(dtype)
+    scores[0, :20] = scores[0, 5]  # a tie wider than k
+    torch._dynamo.reset()
+    values, ids = torch.compile(moe.top_k_unsorted, fullgraph=True, dynamic=False)(scores, 8)
+    expected = torch.topk(scores, 8, dim=-1).values
+    assert ids.dtype == torch.int64 and values.shape == ids.shape == (37, 8)
+    assert torch.equal(values.sort(dim=-1, descending=True).values, expected)
+    assert torch.equal(scores.gather(1, ids), values)
+    assert all(len(set(row)) == 8 for row in ids.tolist())
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_compiled_routers_match_eager(use_bias):
+    logits = torch.randn(9, 32)
+    bias = torch.randn(32) if use_bias else None
+    torch._dynamo.reset()
+    for route in (lambda t: moe.route_softmax(t, 4, True), lambda t: moe.route_softmax(t, 4, False),
+                  lambda t: moe.route_sigmoid_bias(t, bias, 4, True, 1.7)):
+        weights, expert_ids = torch.compile(route, fullgraph=True, dynamic=False)(logits)
+        eager_weights, eager_ids = _by_expert(*route(logits))
+        weights, expert_ids = _by_expert(weights, expert_ids)
+        assert torch.equal(expert_ids, eager_ids)
+        torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
