@@ -19,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny-moe")
     parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's (the sampler's width)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="stop comparing after this long")
     args = parser.parse_args(argv)
 
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     from server.engine.types import SamplingParams
 
     hf_config = load_preset(args.preset).hf_config
+    if args.vocab_size is not None:
+        hf_config = {**hf_config, "vocab_size": args.vocab_size}
     device, _ = device_mod.select_device("auto")
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     model = build_random_model(hf_config, device, dtype, 0)

@@ -2,8 +2,8 @@
 its own runs the warm-up stages (warmup.warm_up_stages: the decode step of one sequence first, then the
 sampler, larger batches, prefill) on padding rows and the null block (kv_manager.NullBlocks) of the same model and caches.
 After the first stage the engine moves to the compiled runner between two steps; what a later stage covers runs
-eagerly until that stage ends. A compile that fails leaves what it covers on the eager path with one warning,
-never a crash."""
+eagerly until that stage ends. A stage that fails leaves what it covers on the eager path with one warning,
+never a crash; the stages after it still run, unless it was the first."""
 
 from __future__ import annotations
 
@@ -50,25 +50,33 @@ class BackgroundCompile:
             sys.setswitchinterval(switch_interval)
 
     def _run_stages(self, start: float) -> None:
-        try:
-            for what, run in self._stages:
+        for what, run in self._stages:
+            try:
                 run_stage(what, run, start)
-                self.first_stage_ready = True
-        except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly
-            self.error = describe_failure(exc)
-            self.state = "failed"
-            left = "what it covers stays" if self.first_stage_ready else "requests stay"
-            log.warning("compiling %s failed on %s (%s); %s on the eager path, which is slower. Please report it "
-                        "on the mps-serve issue tracker with the output of `mps-serve selfcheck`.", what,
-                        self._device_name, self.error, left)
-            return
+            except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly
+                self._failed(what, exc)
+                if not self.first_stage_ready:
+                    return  # nothing compiled: the later stages build on the same step
+                continue  # the stages after it cover other work (sampler, batch sizes, prefill)
+            self.first_stage_ready = True
         self.first_stage_ready = True  # also when there was no stage
         # What the compile left alive (graphs, dynamo's caches) joins start-up's objects out of the cyclic GC's
         # reach: a full collection walking them would stall every stream.
         gc.freeze()
         self.seconds = time.perf_counter() - start
-        self.state = "ready"
-        log.info("compiled steps ready after %.1f s", self.seconds)
+        if self.state == "compiling":
+            self.state = "ready"
+        log.info("compiled steps %s after %.1f s", "ready" if self.state == "ready" else "done, some failed",
+                 self.seconds)
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = describe_failure(exc)
+        self.state = "failed"
+        left = "what it covers stays" if self.first_stage_ready else "requests stay"
+        log.warning("compiling %s failed on %s (%s); %s on the eager path, which is slower. Please report it "
+                    "on the mps-serve issue tracker with the output of `mps-serve selfcheck`.", what,
+                    self._device_name, describe_failure(exc), left)
 
 
 def run_stage(what: str, run, start: float) -> None:

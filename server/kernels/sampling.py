@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 _M32 = 0xFFFFFFFF
 _MIX_A, _MIX_B = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one never overflows int64
@@ -243,7 +244,7 @@ def apply_filters(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             kth = sorted_logits.gather(1, (batch.top_k - 1).unsqueeze(1))
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, neg_inf)
         probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # exclusive: the top token is always kept
+        mass_before = chunked_cumsum(probs) - probs  # exclusive: the top token is always kept
         sorted_logits = sorted_logits.masked_fill(mass_before > batch.top_p.unsqueeze(1), neg_inf)
         scaled = torch.full_like(scaled, neg_inf).scatter(1, sorted_idx, sorted_logits)
     elif batch.need_top_k:
@@ -252,6 +253,19 @@ def apply_filters(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         row_max = scaled.max(dim=-1, keepdim=True).values
         scaled = scaled.masked_fill(scaled < row_max + torch.log(batch.min_p).unsqueeze(1), neg_inf)
     return scaled
+
+
+def chunked_cumsum(values: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
+    """torch.cumsum over the last dim of [B, V] in two stages: each of `num_chunks` chunks of a row scans alone,
+    then the chunk totals shift them. Inductor scans a long row with few rows as a split scan, whose code
+    generation fails for a dynamic number of rows on torch 2.11 CUDA; short scans over many rows do not split."""
+    num_rows, width = values.shape
+    chunk_len = -(-width // num_chunks)
+    padded = F.pad(values, (0, chunk_len * num_chunks - width))  # zeros: the sums are unchanged
+    scans = padded.view(num_rows, num_chunks, chunk_len).cumsum(dim=-1)  # [B, C, chunk_len]
+    totals = scans[..., -1]  # [B, C]
+    offsets = totals.cumsum(dim=-1) - totals  # [B, C], exclusive
+    return (scans + offsets.unsqueeze(-1)).view(num_rows, -1)[:, :width]
 
 
 def chunked_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:

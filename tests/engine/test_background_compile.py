@@ -16,6 +16,7 @@ import torch._inductor.compile_fx
 from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S
 from server.engine.decode_graphs import DecodeGraphs
 from server.engine.engine import Engine
+from server.engine.model_runner import ModelRunner
 from server.engine.types import SamplingParams
 from tests.helpers import ENGINE_KW, random_ids
 
@@ -181,6 +182,32 @@ def test_a_later_stage_that_fails_leaves_only_what_it_covers_eager(tiny_checkpoi
     assert engine.compile_state == "failed"
     assert [o.token_ids for o in engine.generate(prompts[:1], PARAMS)] == expected[:1] and set(served) == {1}
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected and 2 not in served
+
+
+def test_the_stages_after_a_failed_one_still_compile(tiny_checkpoint, monkeypatch, caplog):
+    """The sampler's stage failed (inductor could not build its kernels): one warning naming it, sampled rows stay
+    eager, and the larger batches' stage after it still compiles and serves."""
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 5) for n in (5, 11)]
+    expected = eager_tokens(path, prompts)
+    run = DecodeGraphs.run
+
+    def broken(self):
+        raise RuntimeError("no scan kernel for this vocabulary")
+
+    served = []
+    monkeypatch.setattr(ModelRunner, "warm_sampler", broken)
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
+        packed_host.shape[0]) or run(self, packed_host, before_write))
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    with caplog.at_level(logging.WARNING):
+        background = engine.compile_in_background()
+        assert background.join(300)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "compiling the sampler failed" in warnings[0], warnings
+    assert engine.compile_state == "failed" and "no scan kernel" in background.error
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected and 2 in served
+    assert not engine.runner.sampler_ready and engine.runner.decode_graphs.ready_num_seqs > 2
 
 
 def test_the_serving_engine_answers_while_compiling_and_logs_its_start_up(tiny_checkpoint, monkeypatch, caplog):

@@ -11,6 +11,7 @@ from server.kernels.sampling import (
     SamplingRow,
     build_sampling_batch,
     chunked_argmax,
+    chunked_cumsum,
     exponential_noise,
     is_plain_greedy,
     sample,
@@ -160,3 +161,10 @@ def test_plain_greedy_only_without_penalties_bias_or_logprobs():
                 SamplingRow(temperature=0.0, presence_penalty=0.5), SamplingRow(temperature=0.0, frequency_penalty=-1.0),
                 SamplingRow(temperature=0.0, logit_bias={3: 1.0}), SamplingRow(temperature=0.0, num_logprobs=0)):
         assert not is_plain_greedy([SamplingRow(temperature=0.0), row])
+
+
+@pytest.mark.parametrize("num_rows, vocab_size, num_chunks", [(1, 1000, 64), (3, 151936, 64), (5, 97, 8), (2, 7, 16)])
+def test_chunked_cumsum_is_cumsum(num_rows, vocab_size, num_chunks):
+    values = torch.rand(num_rows, vocab_size, dtype=torch.float64)
+    torch.testing.assert_close(chunked_cumsum(values, num_chunks), torch.cumsum(values, dim=-1), rtol=1e-12,
+                               atol=1e-12)
