@@ -15,8 +15,10 @@
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py)
+#   eagercost  the eager decode rate alone and while the compile runs beside it, Llama-3.1-8B and Qwen3-30B-A3B, cold
+#              cache (benchmarks/warmup_time.py --eager-only): what the background compile costs the first requests
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
-#              eager, tiny-moe (benchmarks/staged_compile_check.py)
+#              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py)
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
@@ -47,7 +49,9 @@ for case in "$@"; do
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
                | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
-    stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --timeout-s 200 \
+    eagercost) for p in llama-3.1-8b qwen3-30b-a3b; do timeout 200 python3 benchmarks/warmup_time.py --preset $p \
+                 --serve-path --eager-only --cache-dir /tmp/eagercost-$p 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
+    stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    > "$out/stagedcheck.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \

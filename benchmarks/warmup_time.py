@@ -9,7 +9,8 @@ The second run finds inductor's on-disk caches, as a restart of the server finds
 With --serve-path it starts as `serve` does (the compile on a thread of its own) and reports the first token's
 seconds after the weights are loaded, when one sequence's steps run compiled (the first warm-up stage), when
 every stage is ready, and the decode rates on the way. Prints a JSON line at each of those points, the last one
-complete.
+complete. --eager-only measures the eager decode rate before the compile starts (`eager_tok_s_alone`) and stops
+after the rate while compiling: what the compile costs the eager path.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", required=True, help="TORCHINDUCTOR_CACHE_DIR for this run")
     parser.add_argument("--serve-path", action="store_true",
                         help="compile in the background as `serve` does; time the first token and the compiled rate")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="with --serve-path: stop after the eager rates (alone, and while compiling)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the stages as they end
     cache = Path(args.cache_dir)
@@ -54,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__,
               "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
     if args.serve_path:
-        serve_path(engine, hf_config["vocab_size"], record)
+        if not serve_path(engine, hf_config["vocab_size"], record, args.eager_only):
+            return 0
     else:
         record.update({"warm_up_s": round(engine.warm_up(), 1),
                        "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)})
@@ -62,15 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def serve_path(engine, vocab_size: int, record: dict) -> None:
+def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
     """As `serve` starts: the compile on its own thread, a request answered meanwhile on the eager path; then the
-    decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded. The
-    first token's line is printed at once (`"partial": true`), so a run cut off while compiling still reports it."""
+    decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded
+    (--eager-only: from the compile's start, after the eager rate alone). The first token's line is printed at once (`"partial":
+    true`), so a run cut off while compiling still reports it. Whether it went on past the eager rates."""
     import torch
 
     from server.engine.types import SamplingParams
 
     prompt = torch.randint(0, vocab_size, (128,)).tolist()
+    if eager_only:  # the eager path's own rate, to set beside its rate while compiling
+        _decode_rate(engine, prompt, 8)  # the eager path's own first-call costs
+        record["eager_tok_s_alone"] = round(_decode_rate(engine, prompt, 32), 1)
     start = time.perf_counter()
     background = engine.compile_in_background()
     engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
@@ -78,6 +86,8 @@ def serve_path(engine, vocab_size: int, record: dict) -> None:
     record.update(first_token_s=round(first_token_s, 2),
                   eager_tok_s_while_compiling=round(_decode_rate(engine, prompt, 32), 1))
     print(json.dumps({**record, "partial": True}), flush=True)
+    if eager_only:
+        return False
     while not (background.first_stage_ready or background.join(0.05)):
         pass
     record["one_sequence_compiled_s"] = round(time.perf_counter() - start, 1)  # its steps run compiled from here
@@ -90,6 +100,7 @@ def serve_path(engine, vocab_size: int, record: dict) -> None:
     record.update(compile_state=engine.compile_state, compiled_tok_s=round(_decode_rate(engine, prompt, 128), 1))
     if background.error is not None:
         record["compile_error"] = background.error
+    return True
 
 
 def _decode_rate(engine, prompt: list[int], num_tokens: int) -> float:
