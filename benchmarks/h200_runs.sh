@@ -10,6 +10,8 @@
 #   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py;
 #              a synthetic tokenizer of Llama-3's vocabulary size)
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
+#   fp8forms   Llama-3.1-8B, batch 1, no CUDA graphs: bf16, FP8 through scaled_mm, FP8 weight-only (forced) in one
+#              process (benchmarks/fp8_decode_forms.py)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s; partial lines are
@@ -53,6 +55,8 @@ for case in "$@"; do
                  --serve-path --eager-only --cache-dir /tmp/eagercost-$p 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    > "$out/stagedcheck.txt" 2>&1 ;;
+    fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
+                --json "$out/fp8forms.jsonl" > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
