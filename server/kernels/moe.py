@@ -16,6 +16,9 @@ path (it reads each chosen expert once, where grouped_mm pays for sorting and gr
 grouped_mm where the probe says it runs for this dtype (and, when tracing, that its shape function accepts it)
 and it has not failed on this device (capabilities.with_fallback); else gather + bmm (T*k <= E) or every token
 through every expert. All are sync-free.
+
+Routing (route_softmax, route_sigmoid_bias) takes its top-k through `top_k_unsorted`: torch.topk eagerly, and
+inside torch.compile k rounds of max-then-mask, which inductor fuses into one kernel.
 """
 
 from __future__ import annotations
@@ -36,8 +39,7 @@ def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
     if renormalize and fuses_top_k(top_k):
         rounds, expert_ids = _top_k_rounds(router_logits, top_k)
         # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
-        # reduction over the k columns is left, which would be a kernel of its own, and the weights stay an
-        # expression the expert reductions read inline.
+        # reduction over the k columns is left, which would be a kernel of its own.
         total = sum(torch.exp(value.float() - rounds[0].float()) for value in rounds)  # [T, 1]
         top_logits = torch.cat(rounds, dim=-1).float()  # [T, k]
         weights = torch.exp(top_logits - top_logits[:, :1]) / total
