@@ -18,7 +18,8 @@
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py)
 #   eagercost  the eager decode rate alone and while the compile runs beside it, Llama-3.1-8B and Qwen3-30B-A3B, cold
-#              cache (benchmarks/warmup_time.py --eager-only): what the background compile costs the first requests
+#              cache, GIL switch interval 200 (the default) and 20 us (benchmarks/warmup_time.py --eager-only): what
+#              the background compile costs the first requests
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
 #              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py)
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
@@ -51,8 +52,9 @@ for case in "$@"; do
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
                | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
-    eagercost) for p in llama-3.1-8b qwen3-30b-a3b; do timeout 200 python3 benchmarks/warmup_time.py --preset $p \
-                 --serve-path --eager-only --cache-dir /tmp/eagercost-$p 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
+    eagercost) for run in "llama-3.1-8b 200" "llama-3.1-8b 20" "qwen3-30b-a3b 200" "qwen3-30b-a3b 20"; do set -- $run
+                 timeout 150 python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
+                   --cache-dir /tmp/eagercost-$1-$2 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    > "$out/stagedcheck.txt" 2>&1 ;;
     fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile in the background as `serve` does; time the first token and the compiled rate")
     parser.add_argument("--eager-only", action="store_true",
                         help="with --serve-path: stop after the eager rates (alone, and while compiling)")
+    parser.add_argument("--switch-interval-us", type=float, default=None,
+                        help="the GIL switch interval while compiling beside serving, for this measurement only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # the stages as they end
     cache = Path(args.cache_dir)
@@ -56,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     built_s = time.perf_counter() - start
     record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__,
               "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
+    if args.switch_interval_us is not None:
+        from server.engine import background_compile
+
+        background_compile.SERVING_SWITCH_INTERVAL_S = args.switch_interval_us * 1e-6
+        record["switch_interval_us"] = args.switch_interval_us
     if args.serve_path:
         if not serve_path(engine, hf_config["vocab_size"], record, args.eager_only):
             return 0
@@ -69,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
     """As `serve` starts: the compile on its own thread, a request answered meanwhile on the eager path; then the
     decode rate once the engine has moved to the compiled step. Seconds count from the weights being loaded
-    (--eager-only: from the compile's start, after the eager rate alone). The first token's line is printed at once (`"partial":
-    true`), so a run cut off while compiling still reports it. Whether it went on past the eager rates."""
+    (--eager-only: from the compile's start, after the eager rate alone). The first token's line is printed at
+    once (`"partial": true`), so a run cut off while compiling still reports it. Whether it went on past the
+    eager rates."""
     import torch
 
     from server.engine.types import SamplingParams
