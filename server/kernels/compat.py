@@ -83,6 +83,9 @@ def compile_region(fn):
     """`torch.compiler.nested_compile_region(fn)` where torch traces nested regions with the caller's dynamic
     sizes (2.13+); older releases turn every dynamic size inside the region into an unbacked one, on which a
     layer's shape-dependent branches cannot be traced, so there `fn` is compiled inline, as one graph."""
-    if torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region"):
-        return torch.compiler.nested_compile_region(fn)
-    return fn
+    return torch.compiler.nested_compile_region(fn) if regions_compile_once() else fn
+
+
+def regions_compile_once() -> bool:
+    """Whether compile_region compiles its function once for every call site (else once per call, inline)."""
+    return torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region")
