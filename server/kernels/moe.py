@@ -31,13 +31,16 @@ from server.kernels import compat
 from server.kernels.capabilities import grouped_mm_ok, with_fallback
 
 
-def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_softmax(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, fuse: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64).
 
     With renormalization the weights are the softmax of the k winning logits, which equals the full softmax
-    renormalized over them, and costs no softmax over all E nor a separate sum of the winners."""
+    renormalized over them, and costs no softmax over all E nor a separate sum of the winners. `fuse`: see
+    fuses_top_k."""
     # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
-    if renormalize and fuses_top_k(top_k):
+    if renormalize and fuses_top_k(top_k, fuse):
         rounds, expert_ids = _top_k_rounds(router_logits, top_k)
         # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
         # reduction over the k columns is left, which would be a kernel of its own.
@@ -46,11 +49,11 @@ def route_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) ->
         weights = torch.exp(top_logits - top_logits[:, :1]) / total
         expert_ids = torch.cat(expert_ids, dim=-1)
     elif renormalize:
-        top_logits, expert_ids = top_k_unsorted(router_logits, top_k)
+        top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
         weights = torch.softmax(top_logits.float(), dim=-1)
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, expert_ids = top_k_unsorted(probs, top_k)
+        weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
     return weights.to(router_logits.dtype), expert_ids
 
 
@@ -60,35 +63,37 @@ def route_sigmoid_bias(
     top_k: int,
     renormalize: bool,
     scaling: float = 1.0,
+    fuse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2-MoE routing: experts chosen by sigmoid + bias (fp32), weighted by the unbiased sigmoid (model dtype)."""
     scores = router_logits.sigmoid()  # [T, E] in the model dtype, as HF computes it
     if expert_bias is None:
-        weights, expert_ids = top_k_unsorted(scores, top_k)
+        weights, expert_ids = top_k_unsorted(scores, top_k, fuse)
     else:
-        expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k)[1]
+        expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k, fuse)[1]
         weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return weights * scaling, expert_ids
 
 
-def top_k_unsorted(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_unsorted(scores: torch.Tensor, top_k: int, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest along the last dim, in no promised order -> (values [T, k], ids [T, k] int64).
 
     Slot order only changes the fp32 summation order of the combine, and sorting the winners costs a kernel."""
-    if not fuses_top_k(top_k):
+    if not fuses_top_k(top_k, fuse):
         return torch.topk(scores, top_k, dim=-1, sorted=False)
     values, ids = _top_k_rounds(scores, top_k)
     return torch.cat(values, dim=-1), torch.cat(ids, dim=-1)
 
 
-def fuses_top_k(top_k: int) -> bool:
+def fuses_top_k(top_k: int, fuse: bool = True) -> bool:
     """Inside torch.compile, k rounds of max-then-mask trace to reductions over the same row, which inductor runs
     as one kernel with whatever consumes the winners per row; torch.topk is a library call on every backend, a
-    kernel of its own per layer. Only where the decoder layer compiles once for all layers: generating that
-    kernel is slow, and inline layers pay it once per layer (48 routers: 55 s instead of 18 s on the CPU)."""
-    return torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K and compat.regions_compile_once()
+    kernel of its own per layer. Only where the decoder layer compiles once for all layers (`fuse`: the caller's
+    layer is such a region): generating that kernel is slow, and inline layers pay it once per layer (48 routers:
+    55 s instead of 18 s on the CPU)."""
+    return fuse and torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K and compat.regions_compile_once()
 
 
 def _top_k_rounds(scores: torch.Tensor, top_k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -188,6 +188,8 @@ class FusedExperts(nn.Module):
 class SoftmaxMoE(nn.Module):
     """Qwen3-MoE block: softmax router in fp32, top-k, optional renormalization; no shared expert."""
 
+    fuse_top_k = True  # DecoderLayer clears it where the layer compiles inline (moe.fuses_top_k)
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
@@ -195,7 +197,7 @@ class SoftmaxMoE(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize)
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, self.fuse_top_k)
         return self.experts(x, weights, expert_ids)
 
 
@@ -211,6 +213,8 @@ class DecoderLayer(nn.Module):
         setattr(self, norm2, make_norm())
         setattr(self, ffn_name, ffn)
         self.traces_whole = getattr(mixer, "traces_whole", True)
+        if hasattr(ffn, "fuse_top_k"):
+            ffn.fuse_top_k = self.traces_whole  # a fused router is slow to compile: once per region, not per layer
 
     def forward(self, x, rope, meta, cache):
         if self.traces_whole:

@@ -183,3 +183,23 @@ def test_compiled_routers_match_eager(use_bias):
         weights, expert_ids = _by_expert(weights, expert_ids)
         assert torch.equal(expert_ids, eager_ids)
         torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
+    """A layer compiled inline (fuse=False) keeps torch.topk: the fused rounds are slow to generate per layer."""
+    monkeypatch.setattr(moe.compat, "regions_compile_once", lambda: True)
+    traced_ops = []
+
+    def record(graph_module, example_inputs):
+        traced_ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    route = torch.compile(lambda t: moe.route_softmax(t, 4, True, fuse), backend=record, fullgraph=True)
+    logits = torch.randn(3, 16)
+    weights, expert_ids = _by_expert(*route(logits))
+    assert any("topk" in op for op in traced_ops) != fuse
+    eager_weights, eager_ids = _by_expert(*moe.route_softmax(logits, 4, True))
+    assert torch.equal(expert_ids, eager_ids)
+    torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)

@@ -265,3 +265,14 @@ def test_state_snapshot_is_published_only_once_its_copy_is_launched():
     slots.publish(planned)
     slots.release("c", live)
     assert slots.match("d", h[:3]) == 2
+
+
+@pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text"])
+def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_checkpoint):
+    """State layers (a graph break in the mixer) compile inline, where a fused top-k would be generated per layer."""
+    path, _ = hybrid_checkpoint(arch)
+    model = make_engine(path).model
+    routers = [(layer.traces_whole, module.fuse_top_k) for layer in model.model.layers
+               for module in layer.modules() if hasattr(module, "fuse_top_k")]
+    assert routers and all(whole == fused for whole, fused in routers)
+    assert {whole for whole, _ in routers} == ({True} if arch == "lfm2_moe" else {True, False})
