@@ -85,33 +85,33 @@ def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
 
     prompt = torch.randint(0, vocab_size, (128,)).tolist()
     if eager_only:  # the eager path's own rate, to set beside its rate while compiling
-        _decode_rate(engine, prompt, 8)  # the eager path's own first-call costs
-        record["eager_tok_s_alone"] = round(_decode_rate(engine, prompt, 32), 1)
+        decode_rate(engine, prompt, 8)  # the eager path's own first-call costs
+        record["eager_tok_s_alone"] = round(decode_rate(engine, prompt, 32), 1)
     start = time.perf_counter()
     background = engine.compile_in_background()
     engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     first_token_s = time.perf_counter() - start
     record.update(first_token_s=round(first_token_s, 2),
-                  eager_tok_s_while_compiling=round(_decode_rate(engine, prompt, 32), 1))
+                  eager_tok_s_while_compiling=round(decode_rate(engine, prompt, 32), 1))
     print(json.dumps({**record, "partial": True}), flush=True)
     if eager_only:
         return False
     while not (background.first_stage_ready or background.join(0.05)):
         pass
     record["one_sequence_compiled_s"] = round(time.perf_counter() - start, 1)  # its steps run compiled from here
-    _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
-    record["one_sequence_tok_s"] = round(_decode_rate(engine, prompt, 128), 1)
+    decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
+    record["one_sequence_tok_s"] = round(decode_rate(engine, prompt, 128), 1)
     print(json.dumps({**record, "partial": True}), flush=True)
     background.join()
     record["compiled_ready_s"] = round(time.perf_counter() - start, 1)
-    _decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
-    record.update(compile_state=engine.compile_state, compiled_tok_s=round(_decode_rate(engine, prompt, 128), 1))
+    decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
+    record.update(compile_state=engine.compile_state, compiled_tok_s=round(decode_rate(engine, prompt, 128), 1))
     if background.error is not None:
         record["compile_error"] = background.error
     return True
 
 
-def _decode_rate(engine, prompt: list[int], num_tokens: int) -> float:
+def decode_rate(engine, prompt: list[int], num_tokens: int) -> float:
     """Decode tokens per second: a run of `num_tokens` less a one-token run, so the prefill drops out."""
     from server.engine.types import SamplingParams
 
