@@ -70,13 +70,13 @@ class BackgroundCompile:
                  self.seconds)
 
     def _failed(self, what: str, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = describe_failure(exc)
+        failure = describe_failure(exc)
+        self.error = self.error or failure  # the first failure
         self.state = "failed"
         left = "what it covers stays" if self.first_stage_ready else "requests stay"
         log.warning("compiling %s failed on %s (%s); %s on the eager path, which is slower. Please report it "
                     "on the mps-serve issue tracker with the output of `mps-serve selfcheck`.", what,
-                    self._device_name, describe_failure(exc), left)
+                    self._device_name, failure, left)
 
 
 def run_stage(what: str, run, start: float) -> None:

@@ -260,22 +260,25 @@ def chunked_cumsum(values: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
     then the chunk totals shift them. Inductor scans a long row with few rows as a split scan, whose code
     generation fails for a dynamic number of rows on torch 2.11 CUDA; short scans over many rows do not split."""
     num_rows, width = values.shape
-    chunk_len = -(-width // num_chunks)
-    padded = F.pad(values, (0, chunk_len * num_chunks - width))  # zeros: the sums are unchanged
-    scans = padded.view(num_rows, num_chunks, chunk_len).cumsum(dim=-1)  # [B, C, chunk_len]
+    scans = _as_chunks(values, num_chunks, 0.0).cumsum(dim=-1)  # [B, C, chunk_len]; zero padding adds nothing
     totals = scans[..., -1]  # [B, C]
     offsets = totals.cumsum(dim=-1) - totals  # [B, C], exclusive
     return (scans + offsets.unsqueeze(-1)).view(num_rows, -1)[:, :width]
+
+
+def _as_chunks(rows: torch.Tensor, num_chunks: int, pad_value: float) -> torch.Tensor:
+    """[B, V] -> [B, num_chunks, ceil(V / num_chunks)], the last chunk padded with `pad_value`."""
+    num_rows, width = rows.shape
+    chunk_len = -(-width // num_chunks)
+    return F.pad(rows, (0, chunk_len * num_chunks - width), value=pad_value).view(num_rows, num_chunks, chunk_len)
 
 
 def chunked_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
     """torch.argmax over the last dim (first index of the maximum) in two stages, for compiled code: inductor
     does not split an argmax, so over a 128k vocabulary one row is one thread block. Here the row is cut into
     `num_chunks` rows first, reduced in parallel."""
-    num_rows, vocab_size = logits.shape
-    chunk_len = -(-vocab_size // num_chunks)
-    padded = torch.nn.functional.pad(logits, (0, chunk_len * num_chunks - vocab_size), value=float("-inf"))
-    chunks = padded.view(num_rows, num_chunks, chunk_len)
+    chunks = _as_chunks(logits, num_chunks, float("-inf"))  # [B, C, chunk_len]
+    chunk_len = chunks.shape[-1]
     in_chunk = chunks.argmax(dim=-1, keepdim=True)  # [B, C, 1]
     best_chunk = chunks.gather(-1, in_chunk).squeeze(-1).argmax(dim=-1, keepdim=True)  # [B, 1]: first max wins
     return (best_chunk * chunk_len + in_chunk.squeeze(-1).gather(-1, best_chunk)).squeeze(-1)  # [B]

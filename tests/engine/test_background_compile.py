@@ -156,27 +156,39 @@ def test_a_failing_compile_leaves_the_engine_eager_with_one_warning(tiny_checkpo
     assert engine.runner.decode_graphs is None and engine.kv_manager.num_used_blocks == 0
 
 
+def record_graph_batches(monkeypatch) -> list[int]:
+    """The batch size of every decode step served through the compiled step's graphs, appended as they run."""
+    served, run = [], DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
+        packed_host.shape[0]) or run(self, packed_host, before_write))
+    return served
+
+
+def compile_collecting_warnings(engine: Engine, caplog):
+    """Run the background compile to its end -> (its BackgroundCompile, the warnings it logged)."""
+    with caplog.at_level(logging.WARNING):
+        background = engine.compile_in_background()
+        assert background.join(300)
+    return background, [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def test_a_later_stage_that_fails_leaves_only_what_it_covers_eager(tiny_checkpoint, monkeypatch, caplog):
     """The decode step of one sequence compiled, the larger batches' stage failed: one warning naming that stage,
     single sequences stay compiled, batches run eagerly, the tokens are the eager ones."""
     path, _ = tiny_checkpoint("llama")
     prompts = [random_ids(n, n + 3) for n in (7, 12)]
     expected = eager_tokens(path, prompts)
-    warm, run = DecodeGraphs.warm, DecodeGraphs.run
+    warm = DecodeGraphs.warm
 
     def failing_warm(self, batch_sizes, max_gather_blocks):
         if batch_sizes[0] > 1:
             raise RuntimeError("no kernel for this batch on this device")
         return warm(self, batch_sizes, max_gather_blocks)
 
-    served = []
     monkeypatch.setattr(DecodeGraphs, "warm", failing_warm)
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
-        packed_host.shape[0]) or run(self, packed_host, before_write))
+    served = record_graph_batches(monkeypatch)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
-    with caplog.at_level(logging.WARNING):
-        assert engine.compile_in_background().join(300)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    _, warnings = compile_collecting_warnings(engine, caplog)
     assert len(warnings) == 1 and "the decode step of 2-8 sequences failed" in warnings[0], warnings
     assert "no kernel for this batch" in warnings[0] and "what it covers stays on the eager path" in warnings[0]
     assert engine.compile_state == "failed"
@@ -190,20 +202,14 @@ def test_the_stages_after_a_failed_one_still_compile(tiny_checkpoint, monkeypatc
     path, _ = tiny_checkpoint("llama")
     prompts = [random_ids(n, n + 5) for n in (5, 11)]
     expected = eager_tokens(path, prompts)
-    run = DecodeGraphs.run
 
     def broken(self):
         raise RuntimeError("no scan kernel for this vocabulary")
 
-    served = []
     monkeypatch.setattr(ModelRunner, "warm_sampler", broken)
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, packed_host, before_write=None: served.append(
-        packed_host.shape[0]) or run(self, packed_host, before_write))
+    served = record_graph_batches(monkeypatch)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
-    with caplog.at_level(logging.WARNING):
-        background = engine.compile_in_background()
-        assert background.join(300)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    background, warnings = compile_collecting_warnings(engine, caplog)
     assert len(warnings) == 1 and "compiling the sampler failed" in warnings[0], warnings
     assert engine.compile_state == "failed" and "no scan kernel" in background.error
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected and 2 in served
