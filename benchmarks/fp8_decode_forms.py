@@ -1,13 +1,13 @@
 """FP8 decode at one token in its two forms side by side, without CUDA graphs (the Mac-like mode, every kernel
-launched from the host): row-wise `scaled_mm` with the activation quantized per call (what a device with that
-kernel runs: CUDA, MPS on torch 2.15) against the weight-only reduction (the FP8 weight read inside one compiled
-reduction, what a device without it runs). The second run forces the weight-only form by replacing
-`fp8.use_weight_only` in this process only: a measurement, not a setting.
+launched from the host): row-wise `scaled_mm` with the activation quantized per call (what CUDA graphs replay)
+against the weight-only reduction (the FP8 weight read inside one compiled
+reduction, what the engine picks for a step launched kernel by kernel). The second run forces the scaled_mm
+form by replacing `fp8.use_weight_only` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --json out/fp8forms.jsonl
 
 Runs `mps-serve bench --batch-sizes 1 --graphs off` twice in one process: bf16 and FP8 as the engine picks
-(scaled_mm where the probe passes), then FP8 weight-only. Both runs' tables and JSON lines carry kernels/step.
+(weight-only at one token), then FP8 through row-wise scaled_mm. Both runs' tables and JSON lines carry kernels/step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from server import cli
 from server.kernels import fp8
-from server.kernels.capabilities import fp8_weight_only_ok
+from server.kernels.capabilities import fp8_rowwise_ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,14 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     common = ["bench", "--preset", args.preset, "--batch-sizes", "1", "--graphs", "off"]
     common += ["--json", args.json] if args.json else []
-    print("== bf16 and FP8 as the engine picks (row-wise scaled_mm where the probe passes)", flush=True)
+    print("== bf16 and FP8 as the engine picks (weight-only at one token without graphs)", flush=True)
     status = cli.main([*common, "--quantize", "none,fp8"])
 
-    def weight_only(device: torch.device, num_tokens) -> bool:
-        return torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
+    def weight_only(device: torch.device, num_tokens, preferred: bool) -> bool:
+        return torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS and not fp8_rowwise_ok(
+            device, False)
 
     fp8.use_weight_only = weight_only
-    print("== FP8 weight-only (forced)", flush=True)
+    print("== FP8 through row-wise scaled_mm (forced)", flush=True)
     return status or cli.main([*common, "--quantize", "fp8"])
 
 

@@ -21,7 +21,8 @@
 #              cache, GIL switch interval 200 (the default) and 20 us (benchmarks/warmup_time.py --eager-only): what
 #              the background compile costs the first requests
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
-#              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py)
+#              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py),
+#              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
@@ -56,7 +57,7 @@ for case in "$@"; do
                  timeout 150 python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
                    --cache-dir /tmp/eagercost-$1-$2 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
-                   > "$out/stagedcheck.txt" 2>&1 ;;
+                   --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
     fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
                 --json "$out/fp8forms.jsonl" > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;

@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny-moe")
     parser.add_argument("--max-tokens", type=int, default=12)
     parser.add_argument("--vocab-size", type=int, default=None, help="override the preset's (the sampler's width)")
+    parser.add_argument("--dtype", default="auto",
+                        help="float32 makes greedy identity exact: in bf16, near-ties among a wide vocabulary's logits "
+                             "let the compiled and eager roundings pick different tokens")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="stop comparing after this long")
     args = parser.parse_args(argv)
 
@@ -36,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab_size is not None:
         hf_config = {**hf_config, "vocab_size": args.vocab_size}
     device, _ = device_mod.select_device("auto")
-    dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
+    dtype = device_mod.select_dtype(args.dtype, device, hf_config.get("torch_dtype"))
     model = build_random_model(hf_config, device, dtype, 0)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, hf_config["vocab_size"], (n,), generator=generator).tolist() for n in (9, 23)]

@@ -18,7 +18,7 @@ import torch
 
 from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
-from server.kernels import flex_decode, sampling
+from server.kernels import flex_decode, fp8, sampling
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ class DecodeGraphs:
         # What warm-up runs write instead; made here, outside inference mode, so that its guards match the above.
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
+        fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
         self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None

@@ -6,11 +6,13 @@ once per input and shared by every projection that reads it (pass `x_quant` to `
 activation per call, as separate ops, costs as much as FP8 saves on the weight read. Where the probe finds no row-wise
 `scaled_mm` kernel, the fallback dequantizes in float32 (correct, slow: the reference, not a fast path).
 
-Where the device has no row-wise `scaled_mm`, a compiled step at one token (decode at batch 1) reads FP8 weights
-in the weight-only form instead of that slow fallback: each FP8 weight widened inside the reduction that
-accumulates in float32, the row scale applied after it, no activation quantization; inductor emits it as one
-reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). Where `scaled_mm` exists it wins at one token
-too (docs/PERF.md, session 13), so it stays there. Eager the weight-only form would materialize [M, N, K], so it
+A compiled step at one token (decode at batch 1) reads FP8 weights in the weight-only form: each FP8 weight
+widened inside the reduction that accumulates in float32, the row scale applied after it, no activation
+quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). It is
+chosen where the step's kernels are launched one by one from the host (MPS always, CUDA without graphs): there
+the activation's quantization and `scaled_mm`'s per-call host cost lose to it; where the step replays a CUDA
+graph, `scaled_mm` reads FP8 faster and keeps the one-token step too (docs/PERF.md, sessions 13 and 17). A device
+without row-wise `scaled_mm` takes the weight-only form either way. Eager it would materialize [M, N, K], so it
 runs only under torch.compile, where the probe found the FP8 widening on the device.
 """
 
@@ -28,8 +30,8 @@ FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12 / FP8_MAX  # an all-zero row gets a tiny scale, not a division by zero
 _ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
-# Up to this many tokens a compiled step without row-wise scaled_mm reads FP8 weights in its own reduction; beyond,
-# the weight would be re-read per token. One: the batch-1 decode graph is traced apart, so it adds no graph.
+# Up to this many tokens a compiled step may read FP8 weights in its own reduction; beyond, the weight would be
+# re-read per token. One: the batch-1 decode graph is traced apart, so it adds no graph.
 WEIGHT_ONLY_MAX_TOKENS = 1
 
 
@@ -87,9 +89,19 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return out.to(out_dtype)
 
 
-def use_weight_only(device: torch.device, num_tokens) -> bool:
-    return (torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS
-            and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
+def use_weight_only(device: torch.device, num_tokens, preferred: bool) -> bool:
+    """Whether a linear reads its FP8 weight in the weight-only reduction: in a compiled step at one token, where
+    the step prefers it (no graph replay) or the device has no row-wise scaled_mm."""
+    return (torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
+            and (preferred or not fp8_rowwise_ok(device, False)))
+
+
+def prefer_weight_only(model: nn.Module, preferred: bool) -> None:
+    """Set the one-token form of every FP8 linear in `model`: the decode runner prefers the weight-only reduction
+    unless its steps replay CUDA graphs."""
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.weight_only_preferred = preferred
 
 
 def fp8_weight_only_linear(
@@ -146,11 +158,12 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.weight_only_preferred = True  # the decode runner's choice (prefer_weight_only)
 
     def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; pass `x_quant = quantize_activation(x)` to share it between layers."""
         x_rows = x.reshape(-1, self.in_features)  # [M, K]
-        if x_quant is None and use_weight_only(x.device, x_rows.shape[0]):
+        if x_quant is None and use_weight_only(x.device, x_rows.shape[0], self.weight_only_preferred):
             out = fp8_weight_only_linear(x_rows, self.weight, self.weight_scale, self.bias, self.out_dtype)
             return out.view(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)

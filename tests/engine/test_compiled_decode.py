@@ -182,18 +182,18 @@ def test_decode_shapes_to_prepare_are_bounded_by_the_cache(tiny_checkpoint):
 
 
 def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint, monkeypatch):
-    """FP8 llama, one request at a time, on a device that reads FP8 weights in the weight-only form (one without
-    row-wise scaled_mm): the compiled batch-1 decode step reads each FP8 weight inside its reduction instead of
-    quantizing the activation; the eager engine doing the same gives the same tokens."""
+    """FP8 llama, one request at a time, decode steps launched kernel by kernel (no CUDA graphs, as on MPS): the
+    compiled batch-1 decode step reads each FP8 weight inside its reduction instead of quantizing the activation,
+    although the CPU has row-wise scaled_mm; an eager engine made to compute the same form gives the same tokens."""
     from server.kernels import fp8
 
     path, _ = tiny_checkpoint("llama")
     prompts = [random_ids(n, n) for n in (5, 19, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    # the form chosen, eager too, where scaled_mm is missing; prefill keeps scaled_mm, which the CPU has
-    monkeypatch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
-    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
-    expected = [eager.generate(p, params).token_ids for p in prompts]
+    with monkeypatch.context() as eager_patch:  # the same form eagerly, as the reference; prefill keeps scaled_mm
+        eager_patch.setattr(fp8, "use_weight_only", lambda device, num_tokens, preferred: num_tokens == 1)
+        eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
+        expected = [eager.generate(p, params).token_ids for p in prompts]
     traced = []  # whether each activation quantization was traced into the compiled step
     quantize = fp8.quantize_activation
     monkeypatch.setattr(fp8, "quantize_activation",
