@@ -14,12 +14,12 @@
 #              process (benchmarks/fp8_decode_forms.py)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache
-#              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s; partial lines are
+#              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s, 0 skips; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py)
 #   eagercost  the eager decode rate alone and while the compile runs beside it, Llama-3.1-8B and Qwen3-30B-A3B, cold
-#              cache, GIL switch interval 200 (the default) and 20 us (benchmarks/warmup_time.py --eager-only): what
-#              the background compile costs the first requests
+#              cache, GIL switch interval 200 and 20 us (EAGERCOST_RUNS="preset:us ...", each up to EAGERCOST_LIMIT_S;
+#              benchmarks/warmup_time.py --eager-only): what the background compile costs the first requests
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
 #              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py),
 #              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
@@ -50,11 +50,13 @@ for case in "$@"; do
     fp8prefill) timeout ${FP8PREFILL_LIMIT_S:-560} python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 --graphs off \
                   --prompt-len 2048 --decode-tokens 64 --engine-option compile_prefill=true \
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
-    startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do timeout $limit python3 \
+    startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do [ "$limit" = 0 ] && continue
+               timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
                | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
-    eagercost) for run in "llama-3.1-8b 200" "llama-3.1-8b 20" "qwen3-30b-a3b 200" "qwen3-30b-a3b 20"; do set -- $run
-                 timeout 150 python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
+    eagercost) for run in ${EAGERCOST_RUNS:-llama-3.1-8b:200 llama-3.1-8b:20 qwen3-30b-a3b:200 qwen3-30b-a3b:20}; do
+                 set -- ${run/:/ }
+                 timeout ${EAGERCOST_LIMIT_S:-150} python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
                    --cache-dir /tmp/eagercost-$1-$2 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;

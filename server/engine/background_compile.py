@@ -17,7 +17,7 @@ from server.engine.warmup import Stage
 
 log = logging.getLogger(__name__)
 
-SERVING_SWITCH_INTERVAL_S = 0.0002  # while compiling beside serving
+SERVING_SWITCH_INTERVAL_S = 0.00002  # while compiling beside serving
 
 
 class BackgroundCompile:
