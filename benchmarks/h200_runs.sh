@@ -57,7 +57,8 @@ for case in "$@"; do
     eagercost) for run in ${EAGERCOST_RUNS:-llama-3.1-8b:200 llama-3.1-8b:20 qwen3-30b-a3b:200 qwen3-30b-a3b:20}; do
                  set -- ${run/:/ }
                  timeout ${EAGERCOST_LIMIT_S:-150} python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
-                   --cache-dir /tmp/eagercost-$1-$2 2>&1 | grep '^{' >> "$out/eagercost.txt"; done ;;
+                   --cache-dir /tmp/eagercost-$1-$2 > "$out/eagercost-$1-$2.log" 2>&1
+                 grep '^{' "$out/eagercost-$1-$2.log" >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
     fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \

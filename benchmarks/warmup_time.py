@@ -87,6 +87,7 @@ def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
     if eager_only:  # the eager path's own rate, to set beside its rate while compiling
         decode_rate(engine, prompt, 8)  # the eager path's own first-call costs
         record["eager_tok_s_alone"] = round(decode_rate(engine, prompt, 32), 1)
+        print(json.dumps({**record, "partial": True}), flush=True)  # a run cut while compiling still says this
     start = time.perf_counter()
     background = engine.compile_in_background()
     engine.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
