@@ -1,8 +1,8 @@
 """FP8 decode at one token in its two forms side by side, without CUDA graphs (the Mac-like mode, every kernel
-launched from the host): row-wise `scaled_mm` with the activation quantized per call (what CUDA graphs replay)
-against the weight-only reduction (the FP8 weight read inside one compiled
-reduction, what the engine picks for a step launched kernel by kernel). The second run forces the scaled_mm
-form by replacing `fp8.use_weight_only` in this process only: a measurement, not a setting.
+launched from the host): the weight-only reduction (the FP8 weight read inside one compiled reduction, what the
+engine picks for a step launched kernel by kernel) against row-wise `scaled_mm` with the activation quantized per
+call (what the engine picks where CUDA graphs replay the step). The second run forces the `scaled_mm` form by
+replacing `fp8.use_weight_only` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --json out/fp8forms.jsonl
 

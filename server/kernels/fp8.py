@@ -1,5 +1,5 @@
 """FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`, or, in a
-compiled step at one token on a device without it, read as FP8 inside one reduction (weight-only).
+compiled step at one token that is not replayed as a CUDA graph, read as FP8 inside one reduction (weight-only).
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
 once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
@@ -9,7 +9,7 @@ activation per call, as separate ops, costs as much as FP8 saves on the weight r
 A compiled step at one token (decode at batch 1) reads FP8 weights in the weight-only form: each FP8 weight
 widened inside the reduction that accumulates in float32, the row scale applied after it, no activation
 quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). It is
-chosen where the step's kernels are launched one by one from the host (MPS always, CUDA without graphs): there
+chosen where the step's kernels are launched one by one from the host (MPS, the CPU, CUDA without graphs): there
 the activation's quantization and `scaled_mm`'s per-call host cost lose to it; where the step replays a CUDA
 graph, `scaled_mm` reads FP8 faster and keeps the one-token step too (docs/PERF.md, sessions 13 and 17). A device
 without row-wise `scaled_mm` takes the weight-only form either way. Eager it would materialize [M, N, K], so it
