@@ -19,7 +19,7 @@ import torch
 
 from server import cli
 from server.kernels import fp8
-from server.kernels.capabilities import fp8_rowwise_ok
+from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     status = cli.main([*common, "--quantize", "none,fp8"])
 
     def weight_only(device: torch.device, num_tokens, preferred: bool) -> bool:
-        return torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS and not fp8_rowwise_ok(
-            device, False)
+        # scaled_mm at one token wherever the device has it; weight-only only where it has not
+        return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
+                and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
     fp8.use_weight_only = weight_only
     print("== FP8 through row-wise scaled_mm (forced)", flush=True)
