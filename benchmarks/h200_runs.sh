@@ -28,6 +28,8 @@
 #   cppwrapper the no-graph decode step with inductor's Python wrapper (0) and its C++ wrapper (1) side by side
 #              (CPPWRAPPER_RUNS="preset:layers:wrapper ...", layers 0 = all, each up to CPPWRAPPER_LIMIT_S): the host's
 #              cost per launched kernel, which sets the Mac-like mode
+#   nographs   Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step (C++ wrapper), then bf16 and FP8
+#              side by side without graphs at NOGRAPHS_FP8_LAYERS (12) layers, full widths
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
 set -u
 out=${OUT:-out}
@@ -79,6 +81,10 @@ for case in "$@"; do
                     --batch-sizes 1 --graphs off --engine-option compile_prefill=false --json "$out/cppwrapper-$1-$2-$3.jsonl" \
                     > "$out/cppwrapper-$1-$2-$3.log" 2>&1
                   echo "$run: exit $?" >> "$out/cppwrapper.txt"; grep -i "warn\|ours\|^ *n/a\|^ *off" "$out/cppwrapper-$1-$2-$3.log" >> "$out/cppwrapper.txt"; done ;;
+    nographs) timeout 300 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs off \
+                --json "$out/nographs.jsonl" > "$out/nographs.txt" 2>&1
+              timeout 250 python3 -m server bench --preset qwen3-30b-a3b --num-layers ${NOGRAPHS_FP8_LAYERS:-12} \
+                --batch-sizes 1 --quantize none,fp8 --graphs off --json "$out/nographs-fp8.jsonl" >> "$out/nographs.txt" 2>&1 ;;
     llamaown) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --graphs on,off \
                 --json "$out/llamaown.jsonl" > "$out/llamaown.txt" 2>&1 ;;
     *) echo "unknown case $case"; exit 2 ;;

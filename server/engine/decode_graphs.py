@@ -18,8 +18,10 @@ import torch
 
 from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
+from server.engine.launch_wrapper import LaunchCompiled
 from server.kernels import flex_decode, fp8, sampling
 from server.models.base import AttentionMetadata
+from server.models.layers import compile_layers_as_regions
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,12 @@ class DecodeGraphs:
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
         fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
-        self.compiled = torch.compile(self._forward, fullgraph=True, dynamic=None)
+        # Launched kernel by kernel, the C++ wrapper saves host time per kernel; it cannot call a compiled region.
+        cpp_wrapper = not self.use_graphs
+        compile_layers_as_regions(model, not cpp_wrapper)
+        self.compiled = LaunchCompiled(self._forward, "the decode step", cpp_wrapper,
+                                       on_fallback=lambda: compile_layers_as_regions(model, True),
+                                       fullgraph=True, dynamic=None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark

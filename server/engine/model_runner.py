@@ -10,6 +10,7 @@ import torch.fx.experimental._config as shape_config
 from torch import nn
 
 from server.engine.device import serialized_device_work
+from server.engine.launch_wrapper import LaunchCompiled
 from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
@@ -104,7 +105,10 @@ class ModelRunner:
         self.decode_graphs = decode_graphs  # DecodeGraphs, or None for the eager path
         # With the compiled decode step, sampling is compiled too: the seeded sampler is several times faster
         # compiled than eager per step; greedy-only batches stay eager (argmax).
-        self._sample = torch.compile(sampling.sample, fullgraph=True, dynamic=None) if decode_graphs else sampling.sample
+        self._sample = sampling.sample
+        if decode_graphs is not None:
+            self._sample = LaunchCompiled(sampling.sample, "the sampler", not decode_graphs.use_graphs, fullgraph=True,
+                                          dynamic=None)
         self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model

@@ -213,11 +213,18 @@ class DecoderLayer(nn.Module):
         setattr(self, norm2, make_norm())
         setattr(self, ffn_name, ffn)
         self.traces_whole = getattr(mixer, "traces_whole", True)
+        self.as_region = False
+        self.compile_as_region(True)
+
+    def compile_as_region(self, enabled: bool) -> None:
+        """Trace this layer as a region compiled once for every layer (where it traces whole), or inline."""
+        self.as_region = enabled and self.traces_whole
+        ffn = getattr(self, self.names[3])
         if hasattr(ffn, "fuse_top_k"):
-            ffn.fuse_top_k = self.traces_whole  # a fused router is slow to compile: once per region, not per layer
+            ffn.fuse_top_k = self.as_region  # a fused router is slow to compile: once per region, not per layer
 
     def forward(self, x, rope, meta, cache):
-        if self.traces_whole:
+        if self.as_region:
             return _layer_region(self, x, rope, meta, cache)
         return _layer_forward(self, x, rope, meta, cache)
 
@@ -233,6 +240,14 @@ def _layer_forward(layer: DecoderLayer, x, rope, meta, cache):
 # residual add before it and the next norm's reduction after it. A region must trace whole: a mixer with a
 # deliberate graph break (traces_whole = False) runs its layers inline.
 _layer_region = compat.compile_region(_layer_forward)
+
+
+def compile_layers_as_regions(model: nn.Module, enabled: bool) -> None:
+    """Every decoder layer of `model` traced as a compiled-once region (where it traces whole) or inline: inductor's
+    C++ wrapper has no code for a region call (invoke_subgraph), so a step built with it inlines its layers."""
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.compile_as_region(enabled)
 
 
 class DecoderStack(nn.Module):

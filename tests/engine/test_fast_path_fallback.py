@@ -101,6 +101,36 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
         make_engine(path, compile="on").warm_up()
 
 
+def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning(tiny_checkpoint, monkeypatch,
+                                                                                   caplog):
+    """Without CUDA graphs the decode step is built with inductor's C++ wrapper; where that build fails (no host
+    compiler, a construct it lacks) the step is rebuilt with the Python wrapper, its layers back to compiled-once
+    regions where torch has them: one warning, still compiled, the eager tokens."""
+    from torch._inductor.codegen import cpp_wrapper_cpu
+
+    from server.models.layers import DecoderLayer
+
+    path, _ = tiny_checkpoint("qwen3_moe")
+    expected = _tokens(path, compile="off")
+    monkeypatch.setattr(cpp_wrapper_cpu.CppWrapperCpu, "write_header", broken)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cached build would skip the wrapper
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    engine = make_engine(path, compile="on")
+    graphs = engine.runner.decode_graphs
+    layers = [m for m in engine.model.modules() if isinstance(m, DecoderLayer)]
+    assert graphs.compiled.cpp_wrapper and layers and not any(layer.as_region for layer in layers)
+    with caplog.at_level(logging.WARNING):
+        got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
+        assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "building the decode step with inductor's C++ wrapper failed" in warnings[0]
+    assert "no kernel for this shape on this device" in warnings[0]
+    assert got == expected and engine.runner.decode_graphs is graphs and engine.compile_state != "failed"
+    assert not graphs.compiled.cpp_wrapper and graphs.shapes_run
+    assert all(layer.as_region == compat.regions_compile_once() for layer in layers)
+
+
 def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
     """The compiled steps were ready, then a shape they had not seen fails to compile: eager for good, one
     warning, and the engine never moves back to the compiled runner."""
