@@ -30,6 +30,8 @@
 #              cost per launched kernel, which sets the Mac-like mode
 #   nographs   Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step (C++ wrapper), then bf16 and FP8
 #              side by side without graphs at NOGRAPHS_FP8_LAYERS (12) layers, full widths
+#   nographs48 Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step, cold then warm compile cache
+#              (NOGRAPHS48_COLD_S, 400 s, then 130 s): the C++ wrapper's build time and what a restart reuses
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
 set -u
 out=${OUT:-out}
@@ -85,6 +87,9 @@ for case in "$@"; do
                 --json "$out/nographs.jsonl" > "$out/nographs.txt" 2>&1
               timeout 250 python3 -m server bench --preset qwen3-30b-a3b --num-layers ${NOGRAPHS_FP8_LAYERS:-12} \
                 --batch-sizes 1 --quantize none,fp8 --graphs off --json "$out/nographs-fp8.jsonl" >> "$out/nographs.txt" 2>&1 ;;
+    nographs48) for limit in ${NOGRAPHS48_COLD_S:-400} 130; do
+                  timeout $limit python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs off \
+                    --json "$out/nographs48.jsonl" >> "$out/nographs48.txt" 2>&1; echo "exit $?" >> "$out/nographs48.txt"; done ;;
     llamaown) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --graphs on,off \
                 --json "$out/llamaown.jsonl" > "$out/llamaown.txt" 2>&1 ;;
     *) echo "unknown case $case"; exit 2 ;;
