@@ -132,6 +132,13 @@ class DecodeGraphs:
         self.ready_num_seqs = self.batch_sizes[-1]
         self._capture_lock = threading.Lock()  # one capture into the shared graph pool at a time
 
+    @property
+    def kernel_launch(self) -> str:
+        """Who launches the step's kernels: a CUDA graph replay, or inductor's C++ or Python wrapper code."""
+        if self.use_graphs:
+            return "cuda graph"
+        return "c++ wrapper" if self.compiled.cpp_wrapper else "python wrapper"
+
     def padded_shape(self, num_seqs: int, num_blocks: int) -> tuple[int, int]:
         return bucket(num_seqs, self.batch_sizes), bucket(num_blocks, self.block_counts)
 

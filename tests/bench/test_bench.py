@@ -25,7 +25,7 @@ from server.engine.weights import read_config
 REQUIRED = ["preset", "device", "dtype", "quantize", "batch_size", "prompt_len", "decode_tok_s", "prefill_tok_s",
             "ms_per_token", "weight_bytes_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction", "compile_s",
             "torch_version", "gpu_name", "peer_decode_tok_s", "speedup_vs_peer", "kernels_per_step",
-            "kernels_counted_by", "cuda_graphs"]
+            "kernels_counted_by", "cuda_graphs", "kernel_launch"]
 POSITIVE = ["decode_tok_s", "prefill_tok_s", "ms_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction",
             "peer_decode_tok_s", "peer_prefill_tok_s", "speedup_vs_peer", "weight_bytes_per_token", "kernels_per_step"]
 
@@ -95,8 +95,10 @@ def test_bench_measures_both_graph_modes_side_by_side(tmp_path, capsys):
     assert "kernels/step" in table and "kernels/step counted as aten_ops" in table
     rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["n/a"], ["off"])]
     modes = ["n/a", "n/a", "off", "off"]  # graphs asked for but none on the CPU, then turned off
-    assert [(row[0], row[1], row[4]) for row in rows] == [
-        (mode, str(r["batch_size"]), str(r["kernels_per_step"])) for mode, r in zip(modes, records, strict=True)]
+    assert [(row[0], row[1], row[2], row[5]) for row in rows] == [
+        (mode, "eager", str(r["batch_size"]), str(r["kernels_per_step"]))
+        for mode, r in zip(modes, records, strict=True)]
+    assert all(r["kernel_launch"] == "eager" for r in records)  # the CPU compiles nothing by default
 
 
 def test_graph_mode_options():

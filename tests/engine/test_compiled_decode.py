@@ -32,7 +32,7 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     assert compiled.generate(prompts[1], seeded).token_ids == eager.generate(prompts[1], seeded).token_ids
     # Launched kernel by kernel (no CUDA graphs), the step and the sampler were built with the C++ wrapper, whose
     # step traces its layers inline (it cannot call a compiled region).
-    assert compiled.runner.decode_graphs.compiled.cpp_wrapper and compiled.runner._sample.cpp_wrapper
+    assert compiled.runner.decode_graphs.kernel_launch == "c++ wrapper" and compiled.runner._sample.cpp_wrapper
     assert not any(getattr(m, "as_region", False) for m in compiled.model.modules())
     # Greedy with a penalty, bias or logprobs is not the step's in-graph argmax: the sampler runs on its logits,
     # and the ids it picks are what the next step is fed.

@@ -118,7 +118,7 @@ def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning
     engine = make_engine(path, compile="on")
     graphs = engine.runner.decode_graphs
     layers = [m for m in engine.model.modules() if isinstance(m, DecoderLayer)]
-    assert graphs.compiled.cpp_wrapper and layers and not any(layer.as_region for layer in layers)
+    assert graphs.kernel_launch == "c++ wrapper" and layers and not any(layer.as_region for layer in layers)
     with caplog.at_level(logging.WARNING):
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
@@ -127,7 +127,7 @@ def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning
     assert "building the decode step with inductor's C++ wrapper failed" in warnings[0]
     assert "no kernel for this shape on this device" in warnings[0]
     assert got == expected and engine.runner.decode_graphs is graphs and engine.compile_state != "failed"
-    assert not graphs.compiled.cpp_wrapper and graphs.shapes_run
+    assert graphs.kernel_launch == "python wrapper" and graphs.shapes_run
     assert all(layer.as_region == compat.regions_compile_once() for layer in layers)
 
 
