@@ -25,9 +25,9 @@
 #              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
-#   cppwrapper the no-graph decode step with inductor's Python wrapper (0) and its C++ wrapper (1) side by side
-#              (CPPWRAPPER_RUNS="preset:layers:wrapper ...", layers 0 = all, each up to CPPWRAPPER_LIMIT_S): the host's
-#              cost per launched kernel, which sets the Mac-like mode
+#   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
+#              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
+#              to CPPWRAPPER_LIMIT_S; benchmarks/launch_wrapper_bench.py): the host's cost per launched kernel
 #   nographs   Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step (C++ wrapper), then bf16 and FP8
 #              side by side without graphs at NOGRAPHS_FP8_LAYERS (12) layers, full widths
 #   nographs48 Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step, cold then warm compile cache
@@ -77,12 +77,12 @@ for case in "$@"; do
               timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
                 --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
             cat "$out"/layers-*.txt > "$out/layers.txt" ;;
-    cppwrapper) for run in ${CPPWRAPPER_RUNS:-llama-3.1-8b:0:0 llama-3.1-8b:0:1 qwen3-30b-a3b:12:0 qwen3-30b-a3b:12:1}; do
+    cppwrapper) for run in ${CPPWRAPPER_RUNS:-llama-3.1-8b:0:python llama-3.1-8b:0:cpp qwen3-30b-a3b:12:python qwen3-30b-a3b:12:cpp}; do
                   set -- ${run//:/ }; layers=; [ "$2" = 0 ] || layers="--num-layers $2"
-                  TORCHINDUCTOR_CPP_WRAPPER=$3 timeout ${CPPWRAPPER_LIMIT_S:-140} python3 -m server bench --preset $1 $layers \
-                    --batch-sizes 1 --graphs off --engine-option compile_prefill=false --json "$out/cppwrapper-$1-$2-$3.jsonl" \
-                    > "$out/cppwrapper-$1-$2-$3.log" 2>&1
-                  echo "$run: exit $?" >> "$out/cppwrapper.txt"; grep -i "warn\|ours\|^ *n/a\|^ *off" "$out/cppwrapper-$1-$2-$3.log" >> "$out/cppwrapper.txt"; done ;;
+                  TORCHINDUCTOR_CACHE_DIR=/tmp/cppwrapper-$1-$2-$3 timeout ${CPPWRAPPER_LIMIT_S:-140} \
+                    python3 benchmarks/launch_wrapper_bench.py --wrapper $3 --preset $1 $layers --batch-sizes 1 --graphs off \
+                    --engine-option compile_prefill=false --json "$out/cppwrapper-$1-$2-$3.jsonl" > "$out/cppwrapper-$1-$2-$3.log" 2>&1
+                  echo "$run: exit $?" >> "$out/cppwrapper.txt"; grep -i "warn\|ours\|^ *off" "$out/cppwrapper-$1-$2-$3.log" >> "$out/cppwrapper.txt"; done ;;
     nographs) timeout 300 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs off \
                 --json "$out/nographs.jsonl" > "$out/nographs.txt" 2>&1
               timeout 250 python3 -m server bench --preset qwen3-30b-a3b --num-layers ${NOGRAPHS_FP8_LAYERS:-12} \

@@ -8,6 +8,8 @@ import logging
 
 import pytest
 import torch
+import torch._functorch.config
+import torch._inductor.config
 
 from server.engine.types import SamplingParams
 from server.kernels import compat, fp8, moe, moe_fp8, streams
@@ -113,13 +115,13 @@ def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning
     path, _ = tiny_checkpoint("qwen3_moe")
     expected = _tokens(path, compile="off")
     monkeypatch.setattr(cpp_wrapper_cpu.CppWrapperCpu, "write_header", broken)
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cached build would skip the wrapper
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     engine = make_engine(path, compile="on")
     graphs = engine.runner.decode_graphs
     layers = [m for m in engine.model.modules() if isinstance(m, DecoderLayer)]
     assert graphs.kernel_launch == "c++ wrapper" and layers and not any(layer.as_region for layer in layers)
-    with caplog.at_level(logging.WARNING):
+    # Caches off: a build cached by an earlier test would skip the C++ wrapper's code generation.
+    with (caplog.at_level(logging.WARNING), torch._inductor.config.patch(fx_graph_cache=False),
+          torch._functorch.config.patch(enable_autograd_cache=False)):
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
