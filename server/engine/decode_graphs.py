@@ -160,7 +160,7 @@ class DecodeGraphs:
                     if self.use_graphs:
                         self._capture(key)
                     else:
-                        self.compiled(self._padding(key), self._scratch_ids)
+                        self.compiled(self._padding(key), self._scratch_ids, warm_up=True)
                 self.shapes_run.add(key)
                 count += 1
         return count

@@ -22,9 +22,10 @@ log = logging.getLogger(__name__)
 
 class LaunchCompiled:
     """`torch.compile(fn, **compile_kwargs)`, built with the C++ wrapper while `cpp_wrapper`. A compile failure
-    under the C++ wrapper (a `TorchDynamoException`, raised before the step runs) calls `on_fallback()` (undo what
-    the C++ form needed), rebuilds `fn` with the Python wrapper and retries the call there, with one warning once
-    that works; any other failure, and any failure of the Python form, reaches the caller as is."""
+    under the C++ wrapper (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure)
+    calls `on_fallback()` (undo what the C++ form needed), rebuilds `fn` with the Python wrapper and retries the
+    call there, with one warning once that works; any other failure, and any failure of the Python form, reaches
+    the caller as is: a step that ran part way may not run again (a hybrid's state is updated in place)."""
 
     def __init__(self, fn: Callable, name: str, cpp_wrapper: bool, on_fallback: Callable[[], None] | None = None,
                  **compile_kwargs):
@@ -35,14 +36,17 @@ class LaunchCompiled:
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once
         self._failure: Exception | None = None  # the C++ build's, until the Python form has worked
 
-    def __call__(self, *args):
+    def __call__(self, *args, warm_up: bool = False):
+        """`warm_up`: a call that may run twice (padding rows and scratch outputs, as warm-up runs): then a failure
+        of the C++ form while it runs falls back too, not only a failure to build it."""
         compiled = self.compiled
         if not self.cpp_wrapper:
             return compiled(*args)
         try:
             return compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as exc:
-            if compiled is not self._cpp_form:  # the Python form failed too: the caller's to report
+        except Exception as exc:
+            build_failed = isinstance(exc, torch._dynamo.exc.TorchDynamoException)
+            if compiled is not self._cpp_form or not (build_failed or warm_up):  # the caller's to report
                 raise
             self._use_python_wrapper(compiled, exc)
         out = self.compiled(*args)

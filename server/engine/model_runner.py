@@ -169,7 +169,7 @@ class ModelRunner:
                 rows = [sampling.SamplingRow(temperature=0.7, top_p=top_p, seed=row) for row in range(num_rows)]
                 with serialized_device_work(self.device):
                     batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
-                    self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch)
+                    self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch, warm_up=True)
 
     def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
         """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""

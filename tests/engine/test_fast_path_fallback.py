@@ -165,3 +165,31 @@ def _raising_launch(launch):
 
     patched.calls = 0
     return patched
+
+
+def _raising(exc: Exception):
+    def launch(*args):
+        raise exc
+
+    return launch
+
+
+def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplog):
+    """A failure while the C++ form runs reaches the caller (a step that ran part way may not run again); in a
+    warm-up call (padding rows, scratch outputs: safe to run twice) it falls back like a failed build."""
+    from server.engine.launch_wrapper import LaunchCompiled
+
+    undone = []
+    step = LaunchCompiled(lambda x: x * 2 + 1, "the test step", True, on_fallback=lambda: undone.append(1),
+                          fullgraph=True)
+    step.compiled = step._cpp_form = _raising(RuntimeError("no such Metal function"))  # built, fails as it runs
+    x = torch.randn(5)
+    with pytest.raises(RuntimeError, match="no such Metal function"):
+        step(x)
+    assert step.cpp_wrapper and not undone
+    with caplog.at_level(logging.WARNING):
+        assert torch.equal(step(x, warm_up=True), x * 2 + 1)
+        assert torch.equal(step(x + 1), x * 2 + 3)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "building the test step with inductor's C++ wrapper failed" in warnings[0]
+    assert "no such Metal function" in warnings[0] and undone == [1] and not step.cpp_wrapper
