@@ -102,7 +102,8 @@ def table(records: list[dict[str, Any]]) -> str:
     rows = []
     for r in records:
         row = [graph_mode(r), r.get("kernel_launch", "-"), str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"),
-               _fmt(r["ms_per_token"], ".2f"), _fmt(r["kernels_per_step"], "d"), _fmt(r["prefill_tok_s"], ".0f"), _fmt(r["achieved_gb_s"], ".1f"),
+               _fmt(r["ms_per_token"], ".2f"), _fmt(r["kernels_per_step"], "d"), _fmt(r["prefill_tok_s"], ".0f"),
+               _fmt(r["achieved_gb_s"], ".1f"),
                _fmt(r["roofline_fraction"] * 100, ".1f") + "%", _fmt(r["compile_s"], ".1f")]
         if several:
             row = [r["quantize"], gigabytes(r["weight_bytes_per_step"]), *row]
