@@ -28,8 +28,8 @@
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
 #              to CPPWRAPPER_LIMIT_S; benchmarks/launch_wrapper_bench.py): the host's cost per launched kernel
-#   nographs   Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step (C++ wrapper), then bf16 and FP8
-#              side by side without graphs at NOGRAPHS_FP8_LAYERS (12) layers, full widths
+#   nographs   Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side without CUDA graphs (the engine's C++ wrapper) at
+#              NOGRAPHS_FP8_LAYERS (12) layers, full widths (the whole model: nographs48)
 #   nographs48 Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step, cold then warm compile cache
 #              (NOGRAPHS48_COLD_S, 400 s, then 130 s): the C++ wrapper's build time and what a restart reuses
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
@@ -83,10 +83,8 @@ for case in "$@"; do
                     python3 benchmarks/launch_wrapper_bench.py --wrapper $3 --preset $1 $layers --batch-sizes 1 --graphs off \
                     --engine-option compile_prefill=false --json "$out/cppwrapper-$1-$2-$3.jsonl" > "$out/cppwrapper-$1-$2-$3.log" 2>&1
                   echo "$run: exit $?" >> "$out/cppwrapper.txt"; grep -i "warn\|ours\|^ *off" "$out/cppwrapper-$1-$2-$3.log" >> "$out/cppwrapper.txt"; done ;;
-    nographs) timeout 300 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs off \
-                --json "$out/nographs.jsonl" > "$out/nographs.txt" 2>&1
-              timeout 250 python3 -m server bench --preset qwen3-30b-a3b --num-layers ${NOGRAPHS_FP8_LAYERS:-12} \
-                --batch-sizes 1 --quantize none,fp8 --graphs off --json "$out/nographs-fp8.jsonl" >> "$out/nographs.txt" 2>&1 ;;
+    nographs) timeout 400 python3 -m server bench --preset qwen3-30b-a3b --num-layers ${NOGRAPHS_FP8_LAYERS:-12} \
+                --batch-sizes 1 --quantize none,fp8 --graphs off --json "$out/nographs-fp8.jsonl" > "$out/nographs.txt" 2>&1 ;;
     nographs48) for limit in ${NOGRAPHS48_COLD_S:-400} 130; do
                   timeout $limit python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs off \
                     --json "$out/nographs48.jsonl" >> "$out/nographs48.txt" 2>&1; echo "exit $?" >> "$out/nographs48.txt"; done ;;
