@@ -213,7 +213,6 @@ class DecoderLayer(nn.Module):
         setattr(self, norm2, make_norm())
         setattr(self, ffn_name, ffn)
         self.traces_whole = getattr(mixer, "traces_whole", True)
-        self.as_region = False
         self.compile_as_region(True)
 
     def compile_as_region(self, enabled: bool) -> None:
