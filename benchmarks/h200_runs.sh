@@ -33,6 +33,8 @@
 #   nographs48 Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step, cold then warm compile cache
 #              (NOGRAPHS48_COLD_S, 400 s, then 130 s): the C++ wrapper's build time and what a restart reuses
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
+#   hybrids    Qwen3.6-35B-A3B and LFM2.5-8B-A1B, batch 1, CUDA graphs (HYBRIDS_GRAPHS: on, off or on,off), no peer,
+#              each up to HYBRIDS_LIMIT_S (270 s)
 set -u
 out=${OUT:-out}
 mkdir -p "$out"
@@ -90,6 +92,9 @@ for case in "$@"; do
                     --json "$out/nographs48.jsonl" >> "$out/nographs48.txt" 2>&1; echo "exit $?" >> "$out/nographs48.txt"; done ;;
     llamaown) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --graphs on,off \
                 --json "$out/llamaown.jsonl" > "$out/llamaown.txt" 2>&1 ;;
+    hybrids) for p in qwen3.6-35b-a3b lfm2.5-8b-a1b; do
+               timeout ${HYBRIDS_LIMIT_S:-270} python3 -m server bench --preset $p --batch-sizes 1 --graphs ${HYBRIDS_GRAPHS:-on} \
+                 --json "$out/hybrids.jsonl" >> "$out/hybrids.txt" 2>&1; echo "$p: exit $?" >> "$out/hybrids.txt"; done ;;
     *) echo "unknown case $case"; exit 2 ;;
   esac
   echo "== $case: exit $? after $((SECONDS - start)) s"
