@@ -13,7 +13,8 @@
 #   fp8forms   Llama-3.1-8B, batch 1, no CUDA graphs: bf16, FP8 through scaled_mm, FP8 weight-only (forced) in one
 #              process (benchmarks/fp8_decode_forms.py)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
-#   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache
+#   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,
+#              CUDA graphs on (STARTUP_GRAPHS=off: the Mac-like mode, Python wrapper first, then the C++ wrapper)
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s, 0 skips; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py)
@@ -61,7 +62,8 @@ for case in "$@"; do
                   --json "$out/fp8prefill.jsonl" > "$out/fp8prefill.txt" 2>&1 ;;
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do [ "$limit" = 0 ] && continue
                timeout $limit python3 \
-               benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --cache-dir /tmp/startup-inductor 2>&1 \
+               benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --graphs ${STARTUP_GRAPHS:-on} \
+               --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on} 2>&1 \
                | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
     eagercost) for run in ${EAGERCOST_RUNS:-llama-3.1-8b:200 llama-3.1-8b:20 qwen3-30b-a3b:200 qwen3-30b-a3b:20}; do
                  set -- ${run/:/ }

@@ -16,22 +16,21 @@ from server.cli import main
 from server.engine import decode_graphs, launch_wrapper, model_runner
 
 
-def force_wrapper(cpp: bool) -> None:
-    """Every LaunchCompiled the engine builds takes `cpp` for its wrapper, whatever the engine asked."""
+def force_python_wrapper() -> None:
+    """Every LaunchCompiled the engine builds has no C++ form: its steps launch from the Python wrapper, the decoder
+    layers compiled as regions where torch has them (the engine's form where CUDA graphs replay the step)."""
 
-    class Forced(launch_wrapper.LaunchCompiled):
-        def __init__(self, fn, name, cpp_wrapper, on_fallback=None, **kwargs):
-            super().__init__(fn, name, cpp, on_fallback, **kwargs)
+    class PythonOnly(launch_wrapper.LaunchCompiled):
+        def __init__(self, python_fn, name, cpp_fn=None, **kwargs):
+            super().__init__(python_fn, name, None, **kwargs)
 
-    decode_graphs.LaunchCompiled = model_runner.LaunchCompiled = Forced
-    if not cpp:  # the Python wrapper calls compiled regions: the layers as the engine traces them with graphs
-        original = decode_graphs.compile_layers_as_regions
-        decode_graphs.compile_layers_as_regions = lambda model, enabled: original(model, True)
+    decode_graphs.LaunchCompiled = model_runner.LaunchCompiled = PythonOnly
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wrapper", choices=["python", "cpp"], required=True)
     args, bench_args = parser.parse_known_args()
-    force_wrapper(args.wrapper == "cpp")
+    if args.wrapper == "python":  # else the engine's own form: the C++ wrapper where no CUDA graph replays the step
+        force_python_wrapper()
     sys.exit(main(["bench", *bench_args]))

@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile in the background as `serve` does; time the first token and the compiled rate")
     parser.add_argument("--eager-only", action="store_true",
                         help="with --serve-path: stop after the eager rates (alone, and while compiling)")
+    parser.add_argument("--graphs", choices=["on", "off"], default="on",
+                        help="off: no CUDA graph replays the decode step (the Mac-like mode), whose steps launch "
+                             "from inductor's Python wrapper first and from its C++ wrapper after the last stage")
     parser.add_argument("--switch-interval-us", type=float, default=None,
                         help="the GIL switch interval while compiling beside serving, for this measurement only")
     args = parser.parse_args(argv)
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     start = time.perf_counter()
     model = build_random_model(hf_config, device, dtype, 0)
-    config = EngineConfig(model=args.preset, device=device.type, compile="on")
+    config = EngineConfig(model=args.preset, device=device.type, compile="on", cuda_graphs=args.graphs == "on")
     engine = Engine.from_model(model, config, device, max_model_len=4096)
     built_s = time.perf_counter() - start
-    record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__,
+    record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__, "graphs": args.graphs,
               "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
     if args.switch_interval_us is not None:
         from server.engine import background_compile
@@ -102,14 +105,22 @@ def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
     record["one_sequence_compiled_s"] = round(time.perf_counter() - start, 1)  # its steps run compiled from here
     decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
     record["one_sequence_tok_s"] = round(decode_rate(engine, prompt, 128), 1)
+    record["one_sequence_launch"] = kernel_launch(engine)
     print(json.dumps({**record, "partial": True}), flush=True)
     background.join()
     record["compiled_ready_s"] = round(time.perf_counter() - start, 1)
     decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
-    record.update(compile_state=engine.compile_state, compiled_tok_s=round(decode_rate(engine, prompt, 128), 1))
+    record.update(compile_state=engine.compile_state, compiled_tok_s=round(decode_rate(engine, prompt, 128), 1),
+                  compiled_launch=kernel_launch(engine))
     if background.error is not None:
         record["compile_error"] = background.error
     return True
+
+
+def kernel_launch(engine) -> str:
+    """Who launches the decode step's kernels now (DecodeGraphs.kernel_launch), or "eager"."""
+    graphs = engine.runner.decode_graphs
+    return "eager" if graphs is None else graphs.kernel_launch
 
 
 def decode_rate(engine, prompt: list[int], num_tokens: int) -> float:

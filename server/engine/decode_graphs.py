@@ -21,7 +21,6 @@ from server.engine.kv_manager import NULL_BLOCK
 from server.engine.launch_wrapper import LaunchCompiled
 from server.kernels import flex_decode, fp8, sampling
 from server.models.base import AttentionMetadata
-from server.models.layers import compile_layers_as_regions
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +118,8 @@ class DecodeGraphs:
         self.use_graphs = graphs and device.type == "cuda"
         fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
         # Launched kernel by kernel, the C++ wrapper saves host time per kernel; it cannot call a compiled region.
-        cpp_wrapper = not self.use_graphs
-        compile_layers_as_regions(model, not cpp_wrapper)
-        self.compiled = LaunchCompiled(self._forward, "the decode step", cpp_wrapper,
-                                       on_fallback=lambda: compile_layers_as_regions(model, True),
+        self.compiled = LaunchCompiled(self._forward, "the decode step",
+                                       None if self.use_graphs else self._forward_layers_inline,
                                        fullgraph=True, dynamic=None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
@@ -169,7 +166,27 @@ class DecodeGraphs:
         """Every (batch, blocks) bucket whose KV gather, batch x blocks, is at most `max_gather_blocks`."""
         return [(b, n) for b in self.batch_sizes for n in self.block_counts if b * n <= max_gather_blocks]
 
+    def build_cpp_form(self) -> None:
+        """Build the step's C++-wrapper form for every batch bucket the step has run at (in warm-up runs) and launch
+        from it from then on (LaunchCompiled.build_cpp_form)."""
+        batch_sizes = sorted({num_seqs for num_seqs, _ in self.shapes_run}) or self.batch_sizes[:1]
+
+        def run_warm_up(step) -> None:
+            for num_seqs in batch_sizes:
+                with serialized_device_work(self.device):
+                    step(self._padding((num_seqs, self.block_counts[0])), self._scratch_ids)
+
+        self.compiled.build_cpp_form(run_warm_up)
+
     def _forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        return self._step(packed, last_token_ids, layers_inline=False)
+
+    def _forward_layers_inline(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        """The step as inductor's C++ wrapper builds it: no decoder layer as a compiled region (it cannot call one).
+        A function of its own, so that its compiled code and guards are apart from `_forward`'s."""
+        return self._step(packed, last_token_ids, layers_inline=True)
+
+    def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, layers_inline: bool) -> torch.Tensor:
         rows = self.rows.unpack(packed)
         fed_ids = last_token_ids[rows.feed_rows.clamp(min=0)]
         input_ids, positions = torch.where(rows.feed_rows >= 0, fed_ids, rows.input_ids), rows.positions
@@ -181,7 +198,7 @@ class DecodeGraphs:
         # dynamo, so this test adds no guard.
         flex = self.flex_at_batch_1 and packed.shape[0] == 1
         meta = AttentionMetadata.for_decode(rows.slot_mapping, rows.block_tables, positions, flex, self.kv_layers[0],
-                                            **state)
+                                            layers_inline, **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
         last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))

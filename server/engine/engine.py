@@ -133,13 +133,13 @@ class Engine:
             return None
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        self._background = BackgroundCompile(self._warm_up_stages(compiled), str(self.device))
+        self._background = BackgroundCompile(self._warm_up_stages(compiled, beside_serving=True), str(self.device))
         self._background.start()
         return self._background
 
-    def _warm_up_stages(self, runner: ModelRunner) -> list[Stage]:
+    def _warm_up_stages(self, runner: ModelRunner, beside_serving: bool = False) -> list[Stage]:
         warm_prefill = partial(self._warm_prefill, runner.decode_graphs is None) if self.compile_prefill else None
-        return warm_up_stages(runner, self.kv_manager.num_usable_blocks, warm_prefill)
+        return warm_up_stages(runner, self.kv_manager.num_usable_blocks, warm_prefill, beside_serving)
 
     def _warm_prefill(self, decode_through_prefill: bool, compiled_forward) -> None:
         """Compile the prefill forms through a shadow engine: the same model and caches, `compiled_forward`, no

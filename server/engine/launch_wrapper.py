@@ -2,9 +2,10 @@
 
 Launched kernel by kernel (MPS, the CPU, CUDA without graphs), a step's host time is the cost of launching each
 generated kernel; inductor's default wrapper does that from Python, its C++ wrapper (`cpp_wrapper`, which has CUDA,
-CPU and MPS back ends) from one compiled function. The C++ form needs the host's compiler and lacks a few
-constructs (a nested compile region among them), so a build that fails falls back to the Python wrapper with one
-warning, never to the eager path for that reason alone.
+CPU and MPS back ends) from one compiled function. The C++ form needs the host's compiler, lacks a few constructs
+(a call of a compiled region among them, so its step traces the decoder layers inline) and is slower to build, so
+it is a second form: built first where nothing serves meanwhile, built after the Python form where the engine
+serves while it compiles, and never the reason a step falls back to the eager path.
 """
 
 from __future__ import annotations
@@ -19,24 +20,49 @@ from server.engine.background_compile import describe_failure
 
 log = logging.getLogger(__name__)
 
+WarmUp = Callable[[Callable], None]  # runs warm-up calls (inputs safe to run twice) of the step it is given
+
 
 class LaunchCompiled:
-    """`torch.compile(fn, **compile_kwargs)`, built with the C++ wrapper where `cpp_wrapper`. A compile failure
-    under the C++ wrapper (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure)
-    calls `on_fallback()` (undo what the C++ form needed), rebuilds `fn` with the Python wrapper and retries the
-    call there, with one warning if that retry works; any other failure, and any failure of the Python form, reaches
-    the caller as is: a step that ran part way may not run again (a hybrid's state is updated in place)."""
+    """`torch.compile(python_fn, **compile_kwargs)` and, given `cpp_fn` (the same step, traced as the C++ wrapper
+    can build it), its C++-wrapper form, which launches the step from the start. A failure to build the C++ form
+    (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure) moves the step to the
+    Python form for good, with one warning; any other failure, and any failure of the Python form, reaches the
+    caller as is: a step that ran part way may not run again (a hybrid's state is updated in place).
 
-    def __init__(self, fn: Callable, name: str, cpp_wrapper: bool, on_fallback: Callable[[], None] | None = None,
-                 **compile_kwargs):
-        self.fn, self.name, self.on_fallback, self.compile_kwargs = fn, name, on_fallback, compile_kwargs
-        self.compiled = torch.compile(fn, options={"cpp_wrapper": True} if cpp_wrapper else None, **compile_kwargs)
-        self._cpp_form = self.compiled if cpp_wrapper else None
+    Beside serving, `python_first()` makes the Python form (quicker to build) launch the step until
+    `build_cpp_form` has built the C++ one on warm-up calls."""
+
+    def __init__(self, python_fn: Callable, name: str, cpp_fn: Callable | None = None, **compile_kwargs):
+        self.name = name
+        self._python_form = torch.compile(python_fn, **compile_kwargs)
+        self._cpp_form = None
+        if cpp_fn is not None:
+            self._cpp_form = torch.compile(cpp_fn, options={"cpp_wrapper": True}, **compile_kwargs)
+        self.compiled = self._cpp_form or self._python_form
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once
 
     @property
     def cpp_wrapper(self) -> bool:
         return self.compiled is self._cpp_form
+
+    def python_first(self) -> None:
+        """Launch from the Python form until `build_cpp_form` has built the C++ form."""
+        self.compiled = self._python_form
+
+    def build_cpp_form(self, run_warm_up: WarmUp) -> None:
+        """Build the C++ form by `run_warm_up(form)` and launch the step from it from then on; where that fails, the
+        Python form stays, with one warning. A no-op without a C++ form or once it launches the step."""
+        cpp_form = self._cpp_form
+        if cpp_form is None or self.compiled is cpp_form:
+            return
+        try:
+            run_warm_up(lambda *args, warm_up=True: cpp_form(*args))
+        except Exception as exc:  # noqa: BLE001 - any failure: the Python form serves on
+            self._cpp_form = None
+            self._warn(exc)
+            return
+        self.compiled = cpp_form
 
     def __call__(self, *args, warm_up: bool = False):
         """`warm_up`: a call that may run twice (padding rows and scratch outputs, as warm-up runs): then a failure
@@ -50,19 +76,20 @@ class LaunchCompiled:
             if not (warm_up or isinstance(exc, torch._dynamo.exc.TorchDynamoException)):
                 raise
             failure = exc
-        switched = self._use_python_wrapper(compiled)
+        switched = self._use_python_form(compiled)
         out = self.compiled(*args)  # a failure here is the caller's to report, without this warning
         if switched:
-            log.warning("building %s with inductor's C++ wrapper failed (%s); it launches its kernels from Python "
-                        "instead, which costs host time per kernel", self.name, describe_failure(failure))
+            self._warn(failure)
         return out
 
-    def _use_python_wrapper(self, failed) -> bool:
+    def _use_python_form(self, failed) -> bool:
         """-> whether this call switched (another thread may have already)."""
         with self._lock:
             if self.compiled is not failed:
                 return False
-            if self.on_fallback is not None:
-                self.on_fallback()
-            self.compiled = torch.compile(self.fn, **self.compile_kwargs)
+            self._cpp_form, self.compiled = None, self._python_form
             return True
+
+    def _warn(self, failure: BaseException) -> None:
+        log.warning("building %s with inductor's C++ wrapper failed (%s); it launches its kernels from Python "
+                    "instead, which costs host time per kernel", self.name, describe_failure(failure))

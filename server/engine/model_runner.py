@@ -107,7 +107,8 @@ class ModelRunner:
         # compiled than eager per step; greedy-only batches stay eager (argmax).
         self._sample = sampling.sample
         if decode_graphs is not None:
-            self._sample = LaunchCompiled(sampling.sample, "the sampler", not decode_graphs.use_graphs, fullgraph=True,
+            self._sample = LaunchCompiled(sampling.sample, "the sampler",
+                                          None if decode_graphs.use_graphs else sampling.sample, fullgraph=True,
                                           dynamic=None)
         self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
@@ -161,15 +162,27 @@ class ModelRunner:
         return sampling.sample(logits, batch) if eager else self._sample(logits, batch)
 
     @torch.inference_mode()
-    def warm_sampler(self) -> None:
-        """Compile the sampler for the usual sampled requests (a temperature, with top-p or without), at one row
-        and at several, so that the first of them does not wait for it."""
+    def warm_sampler(self, sample=None) -> None:
+        """Compile the sampler (`sample`: a form of it) for the usual sampled requests (a temperature, with top-p
+        or without), at one row and at several, so that the first of them does not wait for it."""
+        sample = sample or self._sample
         for top_p in (1.0, 0.95):
             for num_rows in (1, 2):
                 rows = [sampling.SamplingRow(temperature=0.7, top_p=top_p, seed=row) for row in range(num_rows)]
                 with serialized_device_work(self.device):
                     batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
-                    self._sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch, warm_up=True)
+                    sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch, warm_up=True)
+
+    def launch_from_python_first(self) -> None:
+        """While the engine serves beside the compile: the compiled steps launch from inductor's Python wrapper,
+        which builds sooner, until `build_cpp_forms` has built their C++ forms (launch_wrapper)."""
+        self.decode_graphs.compiled.python_first()
+        self._sample.python_first()
+
+    def build_cpp_forms(self) -> None:
+        self.decode_graphs.build_cpp_form()
+        if self.sampler_ready:  # else its own stage failed: sampled rows stay eager
+            self._sample.build_cpp_form(self.warm_sampler)
 
     def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
         """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""

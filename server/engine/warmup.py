@@ -14,13 +14,19 @@ WARM_UP_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True) 
 Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
 
 
-def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None) -> list[Stage]:
+def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None,
+                   beside_serving: bool = False) -> list[Stage]:
     """The stages that warm `runner`'s compiled steps up. Until a stage ends, the runner takes its eager path for
     what the stage covers: decode steps of more sequences than `ready_num_seqs`, sampled (not greedy) rows
     (`sampler_ready`), and prefill (its forward is the eager model until `warm_prefill(compiled_forward)` has
     run). Stages run on padding rows, scratch ids and the null block only, so they may run while the runner
-    serves."""
+    serves. `beside_serving`: where no CUDA graph replays the decode step, the steps launch from inductor's
+    Python wrapper first and from its C++ wrapper once a last stage has built that (slower to build, faster to
+    run: launch_wrapper)."""
     graphs, stages = runner.decode_graphs, []
+    cpp_later = graphs is not None and beside_serving and not graphs.use_graphs
+    if cpp_later:
+        runner.launch_from_python_first()
     if graphs is not None:
         graphs.ready_num_seqs = 0
         sizes = graphs.batch_sizes
@@ -50,6 +56,8 @@ def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[objec
             runner.forward_steps = compiled_forward
 
         stages.append(("prefill", prefill))
+    if cpp_later:  # last: the others make every request compiled, this one makes decode faster
+        stages.append(("the decode step and the sampler launched from C++", runner.build_cpp_forms))
     return stages
 
 

@@ -89,3 +89,15 @@ def compile_region(fn):
 def regions_compile_once() -> bool:
     """Whether compile_region compiles its function once for every call site (else once per call, inline)."""
     return torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region")
+
+
+def run_compiled_calls_during_fx_tracing() -> None:
+    """FX's "tracing now" flag is process-wide: while a compile on one thread traces (inductor's pattern matcher
+    does, through make_fx), a compiled step called on another thread would refuse to run ("FX to symbolically
+    trace a dynamo-optimized function"). Compiled calls run regardless where torch lets them (force_compile_*),
+    else they run their eager code for that call."""
+    config = torch._dynamo.config
+    if hasattr(config, "force_compile_during_fx_trace"):
+        config.force_compile_during_fx_trace = True
+    else:
+        config.error_on_nested_fx_trace = False

@@ -62,16 +62,18 @@ class AttentionMetadata:
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
     decode_block_mask: Any = None  # flex decode attention: the step's FlexAttention BlockMask (else SDPA)
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
+    layers_inline: bool = False  # trace every decoder layer inline, none as a compiled region (layers.DecoderLayer)
 
     @classmethod
-    def for_decode(cls, slot_mapping, block_tables, positions, flex: bool, kv_cache: torch.Tensor, **state):
+    def for_decode(cls, slot_mapping, block_tables, positions, flex: bool, kv_cache: torch.Tensor,
+                   layers_inline: bool = False, **state):
         """One token per sequence, rows in order. `kv_cache`: any attention layer's cache (all share the block
         layout); with `flex` the step's BlockMask over it is built here, once for all layers."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         meta = cls(
             slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],
             query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
-            is_decode=True, **state,
+            is_decode=True, layers_inline=layers_inline, **state,
         )
         if flex:
             num_blocks, block_size = kv_cache.shape[:2]

@@ -194,7 +194,7 @@ class SharedExpertMoE(nn.Module):
     """Qwen3-Next / Qwen3.5 MoE: softmax router in fp32, top-k (renormalized), plus a shared SwiGLU expert
     scaled by sigmoid(shared_expert_gate(x))."""
 
-    fuse_top_k = True  # as layers.SoftmaxMoE
+    routes_top_k = True  # as layers.SoftmaxMoE
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, shared_size: int, renormalize: bool):
         super().__init__()
@@ -204,8 +204,8 @@ class SharedExpertMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden_size, shared_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, self.fuse_top_k)
+    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         routed = self.experts(x, weights, expert_ids)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -213,7 +213,7 @@ class SharedExpertMoE(nn.Module):
 class SigmoidBiasMoE(nn.Module):
     """LFM2-MoE: sigmoid router in the model dtype; the fp32 `expert_bias` buffer only picks the experts."""
 
-    fuse_top_k = True  # as layers.SoftmaxMoE
+    routes_top_k = True  # as layers.SoftmaxMoE
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool, scaling: float, use_bias: bool):
         super().__init__()
@@ -229,10 +229,10 @@ class SigmoidBiasMoE(nn.Module):
         if self.use_bias:
             self.expert_bias = torch.zeros(self.expert_bias.shape, dtype=torch.float32, device=self.expert_bias.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
         bias = self.expert_bias if self.use_bias else None
         weights, expert_ids = moe_ops.route_sigmoid_bias(self.gate(x), bias, self.top_k, self.renormalize, self.scaling,
-                                                        self.fuse_top_k)
+                                                        fuse_top_k)
         return self.experts(x, weights, expert_ids)
 
 

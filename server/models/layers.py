@@ -188,7 +188,7 @@ class FusedExperts(nn.Module):
 class SoftmaxMoE(nn.Module):
     """Qwen3-MoE block: softmax router in fp32, top-k, optional renormalization; no shared expert."""
 
-    fuse_top_k = True  # DecoderLayer clears it where the layer compiles inline (moe.fuses_top_k)
+    routes_top_k = True  # its forward takes `fuse_top_k` (moe.fuses_top_k), which DecoderLayer decides
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
         super().__init__()
@@ -196,8 +196,8 @@ class SoftmaxMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, self.fuse_top_k)
+    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         return self.experts(x, weights, expert_ids)
 
 
@@ -213,40 +213,32 @@ class DecoderLayer(nn.Module):
         setattr(self, norm2, make_norm())
         setattr(self, ffn_name, ffn)
         self.traces_whole = getattr(mixer, "traces_whole", True)
-        self.compile_as_region(True)
-
-    def compile_as_region(self, enabled: bool) -> None:
-        """Trace this layer as a region compiled once for every layer (where it traces whole), or inline."""
-        self.as_region = enabled and self.traces_whole
-        ffn = getattr(self, self.names[3])
-        if hasattr(ffn, "fuse_top_k"):
-            ffn.fuse_top_k = self.as_region  # a fused router is slow to compile: once per region, not per layer
 
     def forward(self, x, rope, meta, cache):
-        if self.as_region:
+        """A layer that traces whole runs as a region compiled once for every layer, unless the step traces its
+        layers inline (`meta.layers_inline`: a trace-time constant, so the two forms share no guard)."""
+        if self.traces_whole and not meta.layers_inline:
             return _layer_region(self, x, rope, meta, cache)
-        return _layer_forward(self, x, rope, meta, cache)
+        return _layer_forward(self, x, rope, meta, cache, fuse_top_k=False)
 
 
-def _layer_forward(layer: DecoderLayer, x, rope, meta, cache):
+def _layer_forward(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
     norm1, mixer, norm2, ffn = (getattr(layer, n) for n in layer.names)
     h = x + mixer(norm1(x), rope, meta, cache)
-    return h + ffn(norm2(h))
+    ffn_in = norm2(h)
+    return h + (ffn(ffn_in, fuse_top_k) if getattr(ffn, "routes_top_k", False) else ffn(ffn_in))
+
+
+def _region_forward(layer: DecoderLayer, x, rope, meta, cache):
+    # A fused router top-k is slow to generate: worth it once per region, not once per inline layer.
+    return _layer_forward(layer, x, rope, meta, cache, fuse_top_k=True)
 
 
 # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
 # compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours are the
 # residual add before it and the next norm's reduction after it. A region must trace whole: a mixer with a
 # deliberate graph break (traces_whole = False) runs its layers inline.
-_layer_region = compat.compile_region(_layer_forward)
-
-
-def compile_layers_as_regions(model: nn.Module, enabled: bool) -> None:
-    """Every decoder layer of `model` traced as a compiled-once region (where it traces whole) or inline: inductor's
-    C++ wrapper has no code for a region call (invoke_subgraph), so a step built with it inlines its layers."""
-    for module in model.modules():
-        if isinstance(module, DecoderLayer):
-            module.compile_as_region(enabled)
+_layer_region = compat.compile_region(_region_forward)
 
 
 class DecoderStack(nn.Module):

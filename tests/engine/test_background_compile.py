@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch._inductor.compile_fx
+import torch.fx._symbolic_trace
 
 from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S
 from server.engine.decode_graphs import DecodeGraphs
@@ -93,12 +94,15 @@ def test_one_sequence_moves_to_the_compiled_step_while_larger_batches_still_comp
     assert switch_interval == pytest.approx(SERVING_SWITCH_INTERVAL_S) and switch_interval < default_switch_interval
     assert [o.token_ids for o in engine.generate(prompts[:1], PARAMS)] == expected[:1]
     assert served and set(served) == {1}  # every decode step of the single sequence ran compiled
+    # from inductor's Python wrapper: its C++ wrapper, slower to build, launches the step after the last stage
+    assert engine.runner.decode_graphs.kernel_launch == "python wrapper"
     served.clear()
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert 2 not in served  # the two sequences decoded together eagerly
     gate.set()
     assert background.join(300) and engine.compile_state == "ready", background.error
     assert sys.getswitchinterval() == default_switch_interval
+    assert engine.runner.decode_graphs.kernel_launch == "c++ wrapper" and engine.runner._sample.cpp_wrapper
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert 2 in served and engine.kv_manager.num_used_blocks == 0
 
@@ -247,3 +251,16 @@ def test_the_serving_engine_answers_while_compiling_and_logs_its_start_up(tiny_c
     assert any(m.startswith("weights loaded in ") for m in messages)
     assert any(m.startswith("compiling the decode step in the background") for m in messages)
     assert any(m.startswith("first token served ") and m.endswith("(compile: compiling)") for m in messages)
+
+
+def test_compiled_steps_run_while_another_thread_traces_with_fx(tiny_checkpoint, monkeypatch):
+    """FX's tracing flag is process-wide, and a compile on the background thread sets it while it traces (inductor's
+    pattern matcher): a compiled decode step served meanwhile on the engine's thread still runs."""
+    path, _ = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + 3) for n in (7, 12)]
+    expected = eager_tokens(path, prompts)
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    assert engine.compile_in_background().join(300) and engine.compile_state == "ready"
+    monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)  # as mid-trace on another thread
+    assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
+    assert engine.runner.decode_graphs.shapes_run

@@ -31,9 +31,8 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True)
     assert compiled.generate(prompts[1], seeded).token_ids == eager.generate(prompts[1], seeded).token_ids
     # Launched kernel by kernel (no CUDA graphs), the step and the sampler were built with the C++ wrapper, whose
-    # step traces its layers inline (it cannot call a compiled region).
+    # step traces its layers inline (it cannot call a compiled region: it would have failed to build).
     assert compiled.runner.decode_graphs.kernel_launch == "c++ wrapper" and compiled.runner._sample.cpp_wrapper
-    assert not any(getattr(m, "as_region", False) for m in compiled.model.modules())
     # Greedy with a penalty, bias or logprobs is not the step's in-graph argmax: the sampler runs on its logits,
     # and the ids it picks are what the next step is fed.
     penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=3.0, logprobs=2, ignore_eos=True)

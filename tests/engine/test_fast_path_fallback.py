@@ -103,25 +103,26 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
         make_engine(path, compile="on").warm_up()
 
 
-def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning(tiny_checkpoint, monkeypatch,
-                                                                                   caplog):
-    """Without CUDA graphs the decode step is built with inductor's C++ wrapper; where that build fails (no host
-    compiler, a construct it lacks) the step is rebuilt with the Python wrapper, its layers back to compiled-once
-    regions where torch has them: one warning, still compiled, the eager tokens."""
+@pytest.mark.parametrize("beside_serving", [False, True])
+def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning(beside_serving, tiny_checkpoint,
+                                                                                   monkeypatch, caplog):
+    """Without CUDA graphs the decode step launches from inductor's C++ wrapper: built first when nothing is
+    served meanwhile, after the Python form when the compile runs beside serving. Where that build fails (no host
+    compiler, a construct it lacks) the Python form launches the step: one warning, still compiled, the eager
+    tokens."""
     from torch._inductor.codegen import cpp_wrapper_cpu
-
-    from server.models.layers import DecoderLayer
 
     path, _ = tiny_checkpoint("qwen3_moe")
     expected = _tokens(path, compile="off")
     monkeypatch.setattr(cpp_wrapper_cpu.CppWrapperCpu, "write_header", broken)
     engine = make_engine(path, compile="on")
     graphs = engine.runner.decode_graphs
-    layers = [m for m in engine.model.modules() if isinstance(m, DecoderLayer)]
-    assert graphs.kernel_launch == "c++ wrapper" and layers and not any(layer.as_region for layer in layers)
+    assert graphs.kernel_launch == "c++ wrapper"
     # Caches off: a build cached by an earlier test would skip the C++ wrapper's code generation.
     with (caplog.at_level(logging.WARNING), torch._inductor.config.patch(fx_graph_cache=False),
           torch._functorch.config.patch(enable_autograd_cache=False)):
+        if beside_serving:
+            assert engine.compile_in_background().join(300)
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -130,7 +131,6 @@ def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning
     assert "no kernel for this shape on this device" in warnings[0]
     assert got == expected and engine.runner.decode_graphs is graphs and engine.compile_state != "failed"
     assert graphs.kernel_launch == "python wrapper" and graphs.shapes_run
-    assert all(layer.as_region == compat.regions_compile_once() for layer in layers)
 
 
 def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
@@ -142,7 +142,7 @@ def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_check
     expected = _tokens(path, compile="off")
     engine = make_engine(path, compile="on", max_num_seqs=2)
     with monkeypatch.context() as patch:
-        patch.setattr(Engine, "_warm_up_stages", lambda self, runner: [])  # "ready" at once: nothing compiled
+        patch.setattr(Engine, "_warm_up_stages", lambda self, runner, beside_serving: [])  # "ready" at once: nothing compiled
         assert engine.compile_in_background().join(60) and engine.compile_state == "ready"
     monkeypatch.setattr(type(engine.runner), "launch", broken_launch := _raising_launch(type(engine.runner).launch))
     with caplog.at_level(logging.WARNING):
@@ -179,17 +179,45 @@ def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplo
     warm-up call (padding rows, scratch outputs: safe to run twice) it falls back like a failed build."""
     from server.engine.launch_wrapper import LaunchCompiled
 
-    undone = []
-    step = LaunchCompiled(lambda x: x * 2 + 1, "the test step", True, on_fallback=lambda: undone.append(1),
-                          fullgraph=True)
+    def step_fn(x):
+        return x * 2 + 1
+
+    step = LaunchCompiled(step_fn, "the test step", step_fn, fullgraph=True)
     step.compiled = step._cpp_form = _raising(RuntimeError("no such Metal function"))  # built, fails as it runs
     x = torch.randn(5)
     with pytest.raises(RuntimeError, match="no such Metal function"):
         step(x)
-    assert step.cpp_wrapper and not undone
+    assert step.cpp_wrapper
     with caplog.at_level(logging.WARNING):
         assert torch.equal(step(x, warm_up=True), x * 2 + 1)
-        assert torch.equal(step(x + 1), x * 2 + 3)
+        torch.testing.assert_close(step(x + 1), step_fn(x + 1))
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "building the test step with inductor's C++ wrapper failed" in warnings[0]
-    assert "no such Metal function" in warnings[0] and undone == [1] and not step.cpp_wrapper
+    assert "no such Metal function" in warnings[0] and not step.cpp_wrapper
+
+
+def test_a_cpp_form_built_beside_serving_launches_only_once_its_warm_up_ran(caplog):
+    """Beside serving the Python form launches the step until the C++ form's warm-up calls have all run; one that
+    fails leaves the Python form, with one warning, and the C++ form is never tried again."""
+    from server.engine.launch_wrapper import LaunchCompiled
+
+    def step_fn(x):
+        return x - 3
+
+    step = LaunchCompiled(step_fn, "the test step", step_fn, fullgraph=True)
+    step.python_first()
+    x = torch.randn(4)
+    assert not step.cpp_wrapper and torch.equal(step(x), x - 3)
+    step.build_cpp_form(lambda form: form(x, warm_up=True))
+    assert step.cpp_wrapper and torch.equal(step(x), x - 3)
+
+    failing = LaunchCompiled(step_fn, "the failing step", step_fn, fullgraph=True)
+    failing.python_first()
+    warmed = []
+    with caplog.at_level(logging.WARNING):
+        failing.build_cpp_form(lambda form: warmed.append(form(x)) or _raising(RuntimeError("no cc1plus"))())
+        failing.build_cpp_form(lambda form: warmed.append(form(x)))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "building the failing step with inductor's C++ wrapper failed" in warnings[0]
+    assert "no cc1plus" in warnings[0] and len(warmed) == 1 and not failing.cpp_wrapper
+    assert torch.equal(failing(x), x - 3)

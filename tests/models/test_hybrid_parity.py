@@ -268,11 +268,18 @@ def test_state_snapshot_is_published_only_once_its_copy_is_launched():
 
 
 @pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text"])
-def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_checkpoint):
+def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_checkpoint, monkeypatch):
     """State layers (a graph break in the mixer) compile inline, where a fused top-k would be generated per layer."""
+    from server.kernels import moe
+
+    fused = []  # the `fuse` each router call was given, in call order
+    for name in ("route_softmax", "route_sigmoid_bias"):
+        route = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *args, route=route: fused.append(args[-1]) or route(*args))
     path, _ = hybrid_checkpoint(arch)
-    model = make_engine(path).model
-    routers = [(layer.traces_whole, module.fuse_top_k) for layer in model.model.layers
-               for module in layer.modules() if hasattr(module, "fuse_top_k")]
-    assert routers and all(whole == fused for whole, fused in routers)
-    assert {whole for whole, _ in routers} == ({True} if arch == "lfm2_moe" else {True, False})
+    engine = make_engine(path)
+    engine.generate(random_ids(5, 5), SamplingParams(max_tokens=1, temperature=0.0))
+    layers = [layer for layer in engine.model.model.layers
+              if getattr(getattr(layer, layer.names[3]), "routes_top_k", False)]
+    assert layers and fused == [layer.traces_whole for layer in layers]
+    assert set(fused) == ({True} if arch == "lfm2_moe" else {True, False})
