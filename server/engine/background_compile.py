@@ -14,7 +14,6 @@ import threading
 import time
 
 from server.engine.warmup import Stage
-from server.kernels import compat
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +31,6 @@ class BackgroundCompile:
 
     def start(self) -> None:
         log.info("compiling the decode step in the background; requests are served on the eager path meanwhile")
-        compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:

@@ -51,6 +51,7 @@ from server.engine.types import (
 )
 from server.engine.warmup import WARM_UP_PARAMS, PrefillForms, Stage, prefill_warm_up_runs, warm_up_stages
 from server.engine.weights import persistent_tensors, resolve_model_path
+from server.kernels import compat
 from server.kernels.capabilities import REPORT_HINT
 from server.models.tracing_shield import shield_from_tracing
 
@@ -134,6 +135,7 @@ class Engine:
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
         self._background = BackgroundCompile(self._warm_up_stages(compiled, beside_serving=True), str(self.device))
+        compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self._background.start()
         return self._background
 
