@@ -105,22 +105,16 @@ def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
     record["one_sequence_compiled_s"] = round(time.perf_counter() - start, 1)  # its steps run compiled from here
     decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
     record["one_sequence_tok_s"] = round(decode_rate(engine, prompt, 128), 1)
-    record["one_sequence_launch"] = kernel_launch(engine)
+    record["one_sequence_launch"] = engine.runner.kernel_launch
     print(json.dumps({**record, "partial": True}), flush=True)
     background.join()
     record["compiled_ready_s"] = round(time.perf_counter() - start, 1)
     decode_rate(engine, prompt, 8)  # the step that moves the engine to the compiled runner
     record.update(compile_state=engine.compile_state, compiled_tok_s=round(decode_rate(engine, prompt, 128), 1),
-                  compiled_launch=kernel_launch(engine))
+                  compiled_launch=engine.runner.kernel_launch)
     if background.error is not None:
         record["compile_error"] = background.error
     return True
-
-
-def kernel_launch(engine) -> str:
-    """Who launches the decode step's kernels now (DecodeGraphs.kernel_launch), or "eager"."""
-    graphs = engine.runner.decode_graphs
-    return "eager" if graphs is None else graphs.kernel_launch
 
 
 def decode_rate(engine, prompt: list[int], num_tokens: int) -> float:

@@ -173,6 +173,11 @@ class ModelRunner:
                     batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
                     sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch, warm_up=True)
 
+    @property
+    def kernel_launch(self) -> str:
+        """Who launches the decode step's kernels now: DecodeGraphs.kernel_launch, or "eager"."""
+        return "eager" if self.decode_graphs is None else self.decode_graphs.kernel_launch
+
     def launch_from_python_first(self) -> None:
         """While the engine serves beside the compile: the compiled steps launch from inductor's Python wrapper,
         which builds sooner, until `build_cpp_forms` has built their C++ forms (launch_wrapper)."""
