@@ -166,6 +166,7 @@ class DecodeGraphs:
         """Every (batch, blocks) bucket whose KV gather, batch x blocks, is at most `max_gather_blocks`."""
         return [(b, n) for b in self.batch_sizes for n in self.block_counts if b * n <= max_gather_blocks]
 
+    @torch.inference_mode()  # as the steps' own inputs: else its guards would fail at the first served step
     def build_cpp_form(self) -> None:
         """Build the step's C++-wrapper form for every batch bucket the step has run at (in warm-up runs) and launch
         from it from then on (LaunchCompiled.build_cpp_form)."""
