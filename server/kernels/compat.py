@@ -86,6 +86,14 @@ def compile_region(fn):
     return torch.compiler.nested_compile_region(fn) if regions_compile_once() else fn
 
 
+def region_argument(cls):
+    """Register a dataclass that compile_region's functions take as a pytree node: dynamo then traces a region
+    once and stamps the same subgraph out for every later call whose inputs match, where an argument it cannot
+    flatten makes it trace every call again (most of a warm start's time, whose compiled code is cached)."""
+    torch.utils._pytree.register_dataclass(cls)
+    return cls
+
+
 def regions_compile_once() -> bool:
     """Whether compile_region compiles its function once for every call site (else once per call, inline)."""
     return torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region")

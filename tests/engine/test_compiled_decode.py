@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
+from server.kernels import compat
 from tests.helpers import ENGINE_KW, random_ids
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -43,6 +45,27 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     assert got[0].token_ids != expected[0][:8]  # the penalty did change the greedy picks
     for a, b in zip(got[0].logprobs, want[0].logprobs, strict=True):
         assert abs(a.logprob - b.logprob) < 1e-4 and [t.token_id for t in a.top] == [t.token_id for t in b.top]
+
+
+@pytest.mark.skipif(not compat.regions_compile_once(), reason="older torch traces every decoder layer inline")
+def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_layers(tiny_checkpoint):
+    """Dynamo traces the layer region at its first call and reuses that trace for every other layer, which
+    otherwise takes most of a warm start: every argument of the region flattens (AttentionMetadata included)."""
+    reused = []
+    handler = logging.Handler()
+    handler.emit = lambda record: reused.append("cache hit" in record.getMessage())
+    logger = logging.getLogger("torch._dynamo.variables.invoke_subgraph.__hierarchical_compile")
+    path, _ = tiny_checkpoint("llama")
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    engine.runner.decode_graphs.compiled.python_first()  # the form whose layers are regions
+    torch._logging.set_logs(hierarchical_compile=True)
+    logger.addHandler(handler)
+    try:
+        engine.generate(random_ids(7, 7), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert sum(reused) == len(engine.model.model.layers) - 1 >= 1, reused
 
 
 def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, monkeypatch):
