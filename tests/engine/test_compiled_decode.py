@@ -228,3 +228,19 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     assert [compiled.generate(p, params).token_ids for p in prompts] == expected
     assert compiled.runner.decode_graphs.shapes_run  # the decode steps did run compiled
     assert traced and not any(traced)  # the eager prefill quantized; the compiled decode step never did
+
+
+def test_compiled_steps_raise_dynamos_recompile_limit_in_whichever_thread_calls_them():
+    """torch's compile settings are per thread (2.13+): a limit set where the engine is built would not reach the
+    background compile or the engine thread, where prefill's graphs compile."""
+    import threading
+
+    from server.engine.model_runner import CompiledSteps
+
+    steps = CompiledSteps(torch.nn.Identity(), [])
+    seen = []
+    steps._compiled = lambda *args: seen.append(torch._dynamo.config.recompile_limit)
+    thread = threading.Thread(target=steps, args=(torch.zeros(1),))
+    thread.start()
+    thread.join()
+    assert len(seen) == 1 and seen[0] >= 16

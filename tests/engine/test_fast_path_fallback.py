@@ -3,6 +3,7 @@ takes the reference path from the start."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 
@@ -11,6 +12,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
+from server.engine import background_compile
 from server.engine.types import SamplingParams
 from server.kernels import compat, fp8, moe, moe_fp8, streams
 from server.kernels.capabilities import Probe, capabilities
@@ -104,11 +106,11 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
 
 
 @pytest.mark.parametrize("beside_serving", [False, True])
-def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning(beside_serving, tiny_checkpoint,
+def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning_per_form(beside_serving, tiny_checkpoint,
                                                                                    monkeypatch, caplog):
     """Without CUDA graphs the decode step launches from inductor's C++ wrapper: built first when nothing is
     served meanwhile, after the Python form when the compile runs beside serving. Where that build fails (no host
-    compiler, a construct it lacks) the Python form launches the step: one warning, still compiled, the eager
+    compiler, a construct it lacks) the Python form launches the step: one warning per form, still compiled, the eager
     tokens."""
     from torch._inductor.codegen import cpp_wrapper_cpu
 
@@ -118,19 +120,36 @@ def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning
     engine = make_engine(path, compile="on")
     graphs = engine.runner.decode_graphs
     assert graphs.kernel_launch == "c++ wrapper"
-    # Caches off: a build cached by an earlier test would skip the C++ wrapper's code generation.
-    with (caplog.at_level(logging.WARNING), torch._inductor.config.patch(fx_graph_cache=False),
-          torch._functorch.config.patch(enable_autograd_cache=False)):
+    # Caches off: a build cached by an earlier test would skip the C++ wrapper's code generation. In every thread
+    # that compiles: torch's compile settings are per thread (2.13+).
+    run_stage = background_compile.run_stage
+    monkeypatch.setattr(background_compile, "run_stage", lambda *args: _run_uncached(run_stage, *args))
+    with caplog.at_level(logging.WARNING), _uncached():
         if beside_serving:
             assert engine.compile_in_background().join(300)
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, warnings
-    assert "building the decode step with inductor's C++ wrapper failed" in warnings[0]
-    assert "no kernel for this shape on this device" in warnings[0]
+    # one per form: beside serving the sampler's C++ form is built too (here greedy requests never reach it)
+    forms = ["decode step", "sampler"] if beside_serving else ["decode step"]
+    assert len(warnings) == len(forms), warnings
+    for form, warning in zip(forms, warnings, strict=True):
+        assert f"building the {form} with inductor's C++ wrapper failed" in warning
+        assert "no kernel for this shape on this device" in warning
     assert got == expected and engine.runner.decode_graphs is graphs and engine.compile_state != "failed"
     assert graphs.kernel_launch == "python wrapper" and graphs.shapes_run
+
+
+@contextlib.contextmanager
+def _uncached():
+    """No compile cache for what compiles in this thread."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _run_uncached(run, *args):
+    with _uncached():
+        return run(*args)
 
 
 def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
