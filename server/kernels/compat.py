@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 
 def _private(name: str, private: bool | None) -> bool:
@@ -90,7 +91,7 @@ def region_argument(cls):
     """Register a dataclass that compile_region's functions take as a pytree node: dynamo then traces a region
     once and stamps the same subgraph out for every later call whose inputs match, where an argument it cannot
     flatten makes it trace every call again (most of a warm start's time, whose compiled code is cached)."""
-    torch.utils._pytree.register_dataclass(cls)
+    pytree.register_dataclass(cls)
     return cls
 
 
