@@ -104,7 +104,8 @@ def run_compiled_calls_during_fx_tracing() -> None:
     """FX's "tracing now" flag is process-wide: while a compile on one thread traces (inductor's pattern matcher
     does, through make_fx), a compiled step called on another thread would refuse to run ("FX to symbolically
     trace a dynamo-optimized function"). Compiled calls run regardless where torch lets them (force_compile_*),
-    else they run their eager code for that call."""
+    else they run their eager code for that call. Set for the calling thread only (torch's compile settings are
+    per thread from 2.13 on): call it on the thread that serves."""
     config = torch._dynamo.config
     if hasattr(config, "force_compile_during_fx_trace"):
         config.force_compile_during_fx_trace = True

@@ -106,12 +106,12 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
 
 
 @pytest.mark.parametrize("beside_serving", [False, True])
-def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning_per_form(beside_serving, tiny_checkpoint,
-                                                                                   monkeypatch, caplog):
+def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning_per_form(
+        beside_serving, tiny_checkpoint, monkeypatch, caplog):
     """Without CUDA graphs the decode step launches from inductor's C++ wrapper: built first when nothing is
     served meanwhile, after the Python form when the compile runs beside serving. Where that build fails (no host
-    compiler, a construct it lacks) the Python form launches the step: one warning per form, still compiled, the eager
-    tokens."""
+    compiler, a construct it lacks) the Python form launches the step: one warning per form, still compiled, the
+    eager tokens."""
     from torch._inductor.codegen import cpp_wrapper_cpu
 
     path, _ = tiny_checkpoint("qwen3_moe")
