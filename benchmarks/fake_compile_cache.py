@@ -57,9 +57,11 @@ def run_role(role: str, preset: str, graphs: str, cache_dir: str) -> dict:
     if role == "fill":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        from server.engine.compile_worker import fake_model, fill_caches_on_compile
+
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        patch_compile_to_fill_cache()
-        model = fake_model(hf_config, device, dtype, fake_mode)
+        fill_caches_on_compile()
+        model = fake_model(hf_config, device, dtype, fake_mode, None)
     else:
         fake_mode = None
         model = build_random_model(hf_config, device, dtype, 0)
@@ -73,44 +75,6 @@ def run_role(role: str, preset: str, graphs: str, cache_dir: str) -> dict:
     return {"role": role, "preset": preset, "device": device.type, "torch_version": torch.__version__,
             "stage": what, "stage_s": round(seconds, 1), "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
             "fxgraph_cache_miss": inductor["fxgraph_cache_miss"]}
-
-
-def patch_compile_to_fill_cache() -> None:
-    """Every torch.compile hands its graphs to inductor, which writes its caches, and runs them as FX code: the
-    compiled kernels would read the fakes' (absent) data."""
-    import torch
-    from torch._inductor.compile_fx import compile_fx
-
-    compile_ = torch.compile
-
-    def compile_filling(fn=None, *, options=None, **kwargs):
-        def fill(graph_module, example_inputs):
-            compile_fx(graph_module, example_inputs, config_patches=options)
-            return graph_module.forward
-
-        return compile_(fn, backend=fill, **kwargs)
-
-    torch.compile = compile_filling
-
-
-def fake_model(hf_config: dict, device, dtype, fake_mode):
-    """The model on the meta device, each parameter and buffer then a FakeTensor of its shape, stride and dtype
-    on `device`: what the compile sees of the real model, without its memory."""
-    import torch
-
-    from server.engine.weights import empty_model
-
-    model = empty_model(hf_config, "meta", dtype)
-    with fake_mode:
-        for module in model.modules():
-            for table in (module._parameters, module._buffers):
-                for name, meta in table.items():
-                    if meta is None:
-                        continue
-                    fake = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
-                    table[name] = torch.nn.Parameter(fake, requires_grad=False) if table is module._parameters \
-                        else fake
-    return model
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ for case in "$@"; do
                timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --graphs ${STARTUP_GRAPHS:-on} \
                --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on} 2>&1 \
-               | grep '^{\|compiled \|failed' >> "$out/startup.txt"; done ;;
+               | grep '^{\|compiled \|failed\|compile child\|compile cache' >> "$out/startup.txt"; done ;;
     eagercost) for run in ${EAGERCOST_RUNS:-llama-3.1-8b:200 llama-3.1-8b:20 qwen3-30b-a3b:200 qwen3-30b-a3b:20}; do
                  set -- ${run/:/ }
                  timeout ${EAGERCOST_LIMIT_S:-150} python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \

@@ -43,3 +43,13 @@ def fresh_dynamo():
 
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture(autouse=True)
+def compile_in_process(monkeypatch):
+    """Background compiles run in the serving process unless a test asks for the compile child
+    (tests/engine/test_compile_child.py): a child per test would double the suite's compile work, and tests that
+    patch a stage in this process would wait for a child that knows nothing of the patch."""
+    import server.engine.engine
+
+    monkeypatch.setattr(server.engine.engine, "start_compile_child", lambda engine, stages: None)

@@ -3,7 +3,8 @@ its own runs the warm-up stages (warmup.warm_up_stages: the decode step of one s
 sampler, larger batches, prefill) on padding rows and the null block (kv_manager.NullBlocks) of the same model and caches.
 After the first stage the engine moves to the compiled runner between two steps; what a later stage covers runs
 eagerly until that stage ends. A stage that fails leaves what it covers on the eager path with one warning,
-never a crash; the stages after it still run, unless it was the first."""
+never a crash; the stages after it still run, unless it was the first. Given a compile child (compile_child), each
+stage first waits for the child to have compiled it into the on-disk caches, so that this process only loads it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 
+from server.engine.compile_child import CompileChild
 from server.engine.warmup import Stage
 
 log = logging.getLogger(__name__)
@@ -21,12 +23,12 @@ SERVING_SWITCH_INTERVAL_S = 0.00002  # while compiling beside serving
 
 
 class BackgroundCompile:
-    def __init__(self, stages: list[Stage], device_name: str):
+    def __init__(self, stages: list[Stage], device_name: str, child: CompileChild | None = None):
         self.state = "compiling"
         self.first_stage_ready = False  # the engine may move to the compiled runner
         self.error: str | None = None
         self.seconds: float | None = None
-        self._stages, self._device_name = stages, device_name
+        self._stages, self._device_name, self._child = stages, device_name, child
         self._thread = threading.Thread(target=self._run, name="mps-serve-compile", daemon=True)
 
     def start(self) -> None:
@@ -48,9 +50,13 @@ class BackgroundCompile:
             self._run_stages(start)
         finally:
             sys.setswitchinterval(switch_interval)
+            if self._child is not None:
+                self._child.close()
 
     def _run_stages(self, start: float) -> None:
         for what, run in self._stages:
+            if self._child is not None:
+                self._child.wait_for(what)  # a read that holds no GIL; then this stage is a cache hit
             try:
                 run_stage(what, run, start)
             except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly

@@ -29,6 +29,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.background_compile import BackgroundCompile, describe_failure, run_stage
 from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.compile_worker import start_compile_child
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
@@ -134,7 +135,8 @@ class Engine:
             return None
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        self._background = BackgroundCompile(self._warm_up_stages(compiled, beside_serving=True), str(self.device))
+        stages = self._warm_up_stages(compiled, beside_serving=True)
+        self._background = BackgroundCompile(stages, str(self.device), start_compile_child(self, [what for what, _ in stages]))
         compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self._background.start()
         return self._background

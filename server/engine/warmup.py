@@ -12,6 +12,9 @@ from server.kernels.gated_delta import CHUNK_SIZE
 WARM_UP_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # one decode step each
 
 Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
+PREFILL_STAGE = "prefill"
+# Stages that read sampled ids back to the host (prefill runs whole requests): not on fake tensors (compile_worker).
+HOST_READING_STAGES = frozenset({PREFILL_STAGE})
 
 
 def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[object], None] | None,
@@ -55,7 +58,7 @@ def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[objec
             warm_prefill(compiled_forward)
             runner.forward_steps = compiled_forward
 
-        stages.append(("prefill", prefill))
+        stages.append((PREFILL_STAGE, prefill))
     if cpp_later:  # last: the others make every request compiled, this one makes decode faster
         stages.append(("the decode step and the sampler launched from C++", runner.build_cpp_forms))
     return stages

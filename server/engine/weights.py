@@ -281,6 +281,8 @@ def empty_model(
     for sub in model.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()
+    if layout is None:  # what a compile child builds the model's twin from (compile_worker)
+        model.hf_config = hf_config
     return model.eval()
 
 

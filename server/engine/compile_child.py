@@ -1,0 +1,88 @@
+"""The serving side of the compile in a child process (compile_worker has the child's side).
+
+A compile holds the GIL for long stretches of Python, so beside serving in one process it slows every step served
+meanwhile (the eager path to a tenth of its rate). The child builds the engine's twin on fake tensors, runs the
+same warm-up stages and so fills inductor's on-disk caches; the serving process waits for each stage's report
+(a blocking read, which holds no GIL) and then runs the stage itself, a cache hit: the warm-start cost instead of
+the cold one. Whatever the child does not fill (a stage it skips or fails, or all of them when it dies) the
+serving process compiles itself, as before: the child only ever saves time.
+
+Protocol, one JSON object per line: the spec on the child's stdin (kept open: the child ends when it closes), then
+on its stdout `{"stages": [what, ...]}` (the stages it will fill, in the serving process's order), one
+`{"stage": what, "ok": bool, "seconds": s, "error": text}` per stage, and `{"failed": text}` if it cannot go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class CompileChild:
+    def __init__(self, process: subprocess.Popen, log_path: Path):
+        self._process, self.log_path = process, log_path
+        self._announced: list[str] | None = None  # the stages the child fills, once it said so
+        self._reported: dict[str, dict] = {}
+        self._ended = False
+        self._lock = threading.Lock()  # one reader of the child's stdout at a time
+
+    @classmethod
+    def start(cls, spec: dict, argv: list[str], env: dict[str, str], log_path: Path) -> CompileChild:
+        """Start the child `argv` (its stderr to `log_path`) and hand it `spec`."""
+        with open(log_path, "wb") as stderr:
+            process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                                       text=True)
+        process.stdin.write(json.dumps(spec) + "\n")
+        process.stdin.flush()
+        log.info("compiling in a child process (pid %d, log %s); this one loads what it compiled", process.pid,
+                 log_path)
+        return cls(process, log_path)
+
+    def wait_for(self, what: str) -> bool:
+        """Block until the child has filled the caches for stage `what` -> whether it did. False at once for a
+        stage the child does not fill; False when it failed the stage or ended first."""
+        with self._lock:
+            while not self._ended and (self._announced is None or what in self._announced) \
+                    and what not in self._reported:
+                self._read_one()
+            report = self._reported.get(what)
+        return bool(report and report.get("ok"))
+
+    def close(self) -> None:
+        """End the child, whether or not it is done."""
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        for pipe in (self._process.stdin, self._process.stdout):
+            pipe.close()
+        self._ended = True
+
+    def _read_one(self) -> None:
+        line = self._process.stdout.readline()
+        if not line:
+            self._ended = True
+            if self._process.wait() != 0:
+                log.info("the compile child ended with exit status %d (its log: %s); this process compiles what "
+                         "it did not", self._process.returncode, self.log_path)
+            return
+        try:
+            message = json.loads(line)
+        except ValueError:
+            return  # not ours: the child's stdout is its protocol only, but a stray print must not stop us
+        if "stages" in message:
+            self._announced = list(message["stages"])
+        elif "stage" in message:
+            self._reported[message["stage"]] = message
+            if message.get("ok"):
+                log.info("the compile child filled the cache for %s in %.1f s", message["stage"], message["seconds"])
+            else:
+                log.info("the compile child could not compile %s (%s); this process compiles it", message["stage"],
+                         message.get("error"))
+        elif "failed" in message:
+            log.info("the compile child failed (%s; its log: %s); this process compiles instead",
+                     message["failed"], self.log_path)

@@ -1,0 +1,212 @@
+"""The compile child (`python -m server.engine.compile_worker`, started by `start_compile_child`; compile_child
+has the serving side and the protocol): the serving engine's twin, every parameter, buffer and cache a FakeTensor
+of the real shape, dtype and device (no weight or KV memory), runs the warm-up stages with each graph handed to
+inductor, which writes its caches, and run as FX code on the fakes (compiled kernels would read data the fakes do
+not have). The serving process then compiles each stage as a cache hit."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from server.config import EngineConfig
+from server.engine.compile_child import CompileChild
+from server.engine.warmup import HOST_READING_STAGES
+
+log = logging.getLogger(__name__)
+
+
+def start_compile_child(engine, stages: list[str]) -> CompileChild | None:
+    """A child that fills the compile cache for those of `engine`'s warm-up stages named in `stages`; None where
+    it cannot build the engine's twin (a parallel or a hand-built model) or where the cache holds those stages
+    already (a warm start: loading them here is quicker than waiting for a child to find them)."""
+    spec = child_spec(engine)
+    if spec is None:
+        return None
+    spec["stages"] = [what for what in stages if what not in HOST_READING_STAGES]
+    marker = filled_marker(spec)
+    if marker.exists():
+        log.info("the compile cache holds this model's steps (%s): loading them in this process", marker.parent)
+        return None
+    root = str(Path(__file__).resolve().parents[2])  # where `server` is importable from
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    log_path = Path(tempfile.gettempdir()) / f"mps-serve-compile-{os.getpid()}.log"
+    return CompileChild.start({**spec, "marker": str(marker)}, [sys.executable, "-m", __name__], env, log_path)
+
+
+def child_spec(engine) -> dict | None:
+    """What the child needs to build `engine`'s twin, all of it part of the cache key of its stages."""
+    model, config = engine.model, engine.config
+    hf_config = getattr(model, "hf_config", None)
+    if hf_config is None or config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+        return None
+    return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(engine.device),
+            "dtype": str(engine.dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
+            "num_kv_blocks": engine.kv_cache.num_blocks - 1, "fp8_kept": fp8_kept_linears(model),
+            "num_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+            "source": source_fingerprint()}
+
+
+def fp8_kept_linears(model: nn.Module) -> list[str] | None:
+    """An FP8 model's linears that stayed in the model dtype (its device's keep-plan); None for other models."""
+    from server.kernels.fp8 import Fp8Linear
+    from server.models.quant import quantizable_linears
+
+    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+        return None
+    return sorted(quantizable_linears(model))
+
+
+def source_fingerprint() -> str:
+    """The sources of mps-serve (names, sizes, modification times): other code may trace other graphs."""
+    root = Path(__file__).resolve().parents[1]
+    entries = sorted(f"{p.relative_to(root)}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in root.rglob("*.py"))
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
+
+
+def filled_marker(spec: dict) -> Path:
+    """The file a child leaves once it filled every stage of `spec`, in inductor's cache directory."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
+
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
+    return Path(cache_dir()) / "mps-serve-filled" / key
+
+
+# ---- the child --------------------------------------------------------------------------------------------------
+def main() -> int:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to the log, not into the protocol
+    spec = json.loads(sys.stdin.readline())
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    with contextlib.suppress(OSError):
+        os.nice(10)  # the serving process's steps come first
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def say(**message) -> None:
+        protocol.write(json.dumps(message) + "\n")
+
+    try:
+        stages = twin_stages(spec)
+    except Exception as exc:  # noqa: BLE001 - the serving process compiles instead
+        log.exception("building the engine's twin failed")
+        say(failed=f"{type(exc).__name__}: {exc}"[:300])
+        return 1
+    say(stages=[what for what, _ in stages])
+    all_ok = True
+    for what, run in stages:
+        start = time.perf_counter()
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - this stage is the serving process's to compile
+            log.exception("compiling %s failed", what)
+            say(stage=what, ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            all_ok = False
+            continue
+        say(stage=what, ok=True, seconds=round(time.perf_counter() - start, 1))
+    if all_ok:
+        Path(spec["marker"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(spec["marker"]).write_text(json.dumps(spec, sort_keys=True))
+    return 0
+
+
+def _exit_with_parent() -> None:
+    """The serving process keeps our stdin open; when it ends (or ends us), so do we."""
+    sys.stdin.read()
+    os._exit(0)
+
+
+def twin_stages(spec: dict) -> list:
+    """The warm-up stages `spec` names of the engine it describes, on fakes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from server.engine.build import build_parts
+    from server.engine.engine import Engine
+    from server.kernels import flex_decode
+    from server.kernels.capabilities import capabilities
+
+    device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
+    config = EngineConfig(**spec["config"])
+    torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
+    # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
+    capabilities(device)
+    if device.type == "cuda":
+        flex_decode.probe_compiled(str(device), dtype, config.block_size)
+    fill_caches_on_compile()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8_kept"])
+    with fake_mode:
+        parts = build_parts(model, config, device, dtype, spec["max_model_len"], lambda _: spec["num_kv_blocks"])
+        engine = Engine(model, None, config, device, dtype, spec["max_model_len"], config.model, parts)
+        stages = engine._warm_up_stages(engine.runner, beside_serving=True)
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:
+        graphs.use_graphs = False  # compile what the server captures, without a capture (no real tensors here)
+    return [(what, _under(fake_mode, run)) for what, run in stages if what in spec["stages"]]
+
+
+def _under(mode, run):
+    def run_under_mode() -> None:
+        with mode:
+            run()
+
+    return run_under_mode
+
+
+def fill_caches_on_compile() -> None:
+    """Every torch.compile from now on hands its graphs to inductor, which writes its caches, and runs them as FX
+    code: the compiled kernels would read the fakes' (absent) data."""
+    from torch._inductor.compile_fx import compile_fx
+
+    compile_ = torch.compile
+
+    def compile_filling(fn=None, *, options=None, **kwargs):
+        def fill(graph_module, example_inputs):
+            compile_fx(graph_module, example_inputs, config_patches=options)
+            return graph_module.forward
+
+        return compile_(fn, backend=fill, **kwargs)
+
+    torch.compile = compile_filling
+
+
+def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8_kept: list[str] | None):
+    """The model on the meta device (with the FP8 form where `fp8_kept` is given: the linears it names stay in
+    `dtype`), each parameter and buffer then a FakeTensor of its shape, stride and dtype on `device`; tied weights
+    stay one tensor."""
+    from server.engine.weights import empty_model
+    from server.models.quant import swap_to_fp8
+
+    model = empty_model(hf_config, "meta", dtype)
+    if fp8_kept is not None:
+        with torch.device("meta"):
+            swap_to_fp8(model, dtype, set(fp8_kept))
+    fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, kept alive: ids stay unique; fake)
+    with fake_mode:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, meta in table.items():
+                    if meta is None:
+                        continue
+                    if id(meta) not in fakes:
+                        fake = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
+                        if isinstance(meta, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=meta.requires_grad)
+                        fakes[id(meta)] = (meta, fake)
+                    table[name] = fakes[id(meta)][1]
+    return model
+
+
+if __name__ == "__main__":
+    sys.exit(main())

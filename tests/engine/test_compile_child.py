@@ -1,0 +1,109 @@
+"""The background compile's heavy half in a child process on fake tensors: it fills inductor's on-disk caches,
+and the serving process then loads each stage as a cache hit, with the same tokens. A warm cache needs no child;
+a child that fails only leaves the compile to the serving process."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+import server.engine.engine
+from server.engine import compile_worker
+from server.engine.engine import Engine
+from server.engine.types import SamplingParams
+from tests.helpers import ENGINE_KW, build_tiny, random_ids
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                reason="inductor needs a C compiler on the CPU")
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def with_child(monkeypatch, tmp_path):
+    """The compile child on, in a cache directory of this test's own (the child inherits the environment)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(server.engine.engine, "start_compile_child", compile_worker.start_compile_child)
+    keep_stages(monkeypatch, lambda what: "C++" not in what)  # minutes to build on the CPU
+
+
+def keep_stages(monkeypatch, keep) -> None:
+    """Only the warm-up stages `keep(what)` accepts; the child is not asked for the others either."""
+    stages = server.engine.engine.warm_up_stages
+    monkeypatch.setattr(server.engine.engine, "warm_up_stages",
+                        lambda *args: [stage for stage in stages(*args) if keep(stage[0])])
+
+
+def compile_beside_serving(path, prompts, caplog) -> tuple[list[list[int]], list[list[int]], dict]:
+    """Serve `prompts` while compiling, then after it -> (tokens meanwhile, tokens compiled, inductor's counts of
+    the compile)."""
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    counters.clear()
+    with caplog.at_level(logging.INFO):
+        background = engine.compile_in_background()
+        meanwhile = [o.token_ids for o in engine.generate(prompts, PARAMS)]
+        assert background.join(300) and engine.compile_state == "ready", background.error
+    counts = dict(counters["inductor"])
+    compiled = [o.token_ids for o in engine.generate(prompts, PARAMS)]
+    assert engine.runner.decode_graphs is not None
+    return meanwhile, compiled, counts
+
+
+def test_a_child_fills_the_cache_so_that_serving_only_loads_and_a_warm_start_needs_no_child(tiny_checkpoint,
+                                                                                           with_child, caplog):
+    path, _ = tiny_checkpoint("qwen3_moe")
+    prompts = [random_ids(n, n + 3) for n in (6, 11)]
+    expected = [o.token_ids for o in Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+                .generate(prompts, PARAMS)]
+    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog)
+    assert meanwhile == expected and compiled == expected
+    filled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the compile child filled")]
+    assert len(filled) == 3, filled  # one sequence, the sampler, 2-8 sequences
+    assert counts.get("fxgraph_cache_miss", 0) == 0 and counts["fxgraph_cache_hit"] >= 3, counts
+    caplog.clear()
+    torch._dynamo.reset()  # as a restart: no compiled code in memory
+    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog)  # on the filled cache
+    assert meanwhile == expected and compiled == expected
+    assert any(r.getMessage().startswith("the compile cache holds this model's steps") for r in caplog.records)
+    assert not any("compile child" in r.getMessage() for r in caplog.records)
+    assert counts.get("fxgraph_cache_miss", 0) == 0 and counts["fxgraph_cache_hit"] >= 3, counts
+
+
+def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_checkpoint, with_child, caplog,
+                                                                     monkeypatch):
+    path, _ = tiny_checkpoint("llama")
+    keep_stages(monkeypatch, lambda what: what == "the decode step of one sequence")
+    child_spec = compile_worker.child_spec
+    monkeypatch.setattr(compile_worker, "child_spec",  # a model the child cannot build
+                        lambda engine: {**child_spec(engine), "hf_config": {"model_type": "no_such_model"}})
+    prompts = [random_ids(7, 1)]
+    expected = [o.token_ids for o in Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+                .generate(prompts, PARAMS)]
+    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog)
+    assert meanwhile == expected and compiled == expected
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the compile child failed")]
+    assert len(failed) == 1 and "no_such_model" in failed[0], failed
+    assert counts["fxgraph_cache_miss"] >= 1  # compiled here
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records if r.name.startswith("server"))
+
+
+def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path):
+    """Every parameter and buffer a fake of the real shape, dtype and stride; a tied LM head stays one tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    build_tiny("qwen3", tmp_path, tie_word_embeddings=True)
+    engine = Engine.from_pretrained(str(tmp_path), **ENGINE_KW, compile="on")
+    real = engine.model
+    twin = compile_worker.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), None)
+    real_tensors, twin_tensors = dict(real.state_dict(keep_vars=True)), dict(twin.state_dict(keep_vars=True))
+    assert real_tensors.keys() == twin_tensors.keys()
+    for name, tensor in real_tensors.items():
+        fake = twin_tensors[name]
+        assert isinstance(fake, FakeTensor), name
+        assert (fake.shape, fake.stride(), fake.dtype, fake.device) == (tensor.shape, tensor.stride(), tensor.dtype,
+                                                                       tensor.device), name
+    assert real.lm_head.weight is real.model.embed_tokens.weight
+    assert twin.lm_head.weight is twin.model.embed_tokens.weight
