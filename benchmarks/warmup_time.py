@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", choices=["on", "off"], default="on",
                         help="off: no CUDA graph replays the decode step (the Mac-like mode), whose steps launch "
                              "from inductor's Python wrapper first and from its C++ wrapper after the last stage")
+    parser.add_argument("--compile-child", choices=["on", "off"], default="on",
+                        help="with --serve-path: off compiles in the serving process, as before the compile child, "
+                             "for comparison (the child only starts where the cache lacks the stages)")
     parser.add_argument("--switch-interval-us", type=float, default=None,
                         help="the GIL switch interval while compiling beside serving, for this measurement only")
     args = parser.parse_args(argv)
@@ -66,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
         background_compile.SERVING_SWITCH_INTERVAL_S = args.switch_interval_us * 1e-6
         record["switch_interval_us"] = args.switch_interval_us
+    if args.compile_child == "off":
+        import server.engine.engine
+
+        server.engine.engine.start_compile_child = lambda engine, stages: None
+    record["compile_child"] = args.compile_child
     if args.serve_path:
         if not serve_path(engine, hf_config["vocab_size"], record, args.eager_only):
             return 0

@@ -59,6 +59,8 @@ class BackgroundCompile:
                 self._child.wait_for(what)  # a read that holds no GIL; then this stage is a cache hit
             try:
                 run_stage(what, run, start)
+                if self._child is not None:
+                    self._child.loaded(what)
             except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly
                 self._failed(what, exc)
                 if not self.first_stage_ready:

@@ -18,22 +18,27 @@ import json
 import logging
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 
 class CompileChild:
-    def __init__(self, process: subprocess.Popen, log_path: Path):
-        self._process, self.log_path = process, log_path
+    def __init__(self, process: subprocess.Popen, log_path: Path, count_misses: Callable[[], int]):
+        self._process, self.log_path, self._count_misses = process, log_path, count_misses
+        self._misses_before: int | None = None  # the cache misses before loading a stage the child filled
         self._announced: list[str] | None = None  # the stages the child fills, once it said so
         self._reported: dict[str, dict] = {}
-        self._ended = False
+        self._ended = False  # no more reports come
+        self._closed = False  # ended by us: what it reported is no longer waited for
         self._lock = threading.Lock()  # one reader of the child's stdout at a time
 
     @classmethod
-    def start(cls, spec: dict, argv: list[str], env: dict[str, str], log_path: Path) -> CompileChild:
-        """Start the child `argv` (its stderr to `log_path`) and hand it `spec`."""
+    def start(cls, spec: dict, argv: list[str], env: dict[str, str], log_path: Path,
+              count_misses: Callable[[], int]) -> CompileChild:
+        """Start the child `argv` (its stderr to `log_path`) and hand it `spec`. `count_misses()`: this process's
+        compile-cache misses so far."""
         with open(log_path, "wb") as stderr:
             process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env,
                                        text=True)
@@ -41,7 +46,7 @@ class CompileChild:
         process.stdin.flush()
         log.info("compiling in a child process (pid %d, log %s); this one loads what it compiled", process.pid,
                  log_path)
-        return cls(process, log_path)
+        return cls(process, log_path, count_misses)
 
     def wait_for(self, what: str) -> bool:
         """Block until the child has filled the caches for stage `what` -> whether it did. False at once for a
@@ -50,8 +55,21 @@ class CompileChild:
             while not self._ended and (self._announced is None or what in self._announced) \
                     and what not in self._reported:
                 self._read_one()
-            report = self._reported.get(what)
-        return bool(report and report.get("ok"))
+            report = None if self._closed else self._reported.get(what)
+        filled = bool(report and report.get("ok"))
+        self._misses_before = self._count_misses() if filled else None
+        return filled
+
+    def loaded(self, what: str) -> None:
+        """After this process ran stage `what`: where the child had filled it and this process compiled anyway
+        (cache misses), the child's graphs differ from ours, and waiting for it only costs time: end it."""
+        if self._misses_before is None:
+            return
+        misses = self._count_misses() - self._misses_before
+        if misses > 0:
+            log.info("loading %s missed the compile cache %d time(s) after the compile child filled it; this process"
+                     " compiles the rest itself", what, misses)
+            self.close()
 
     def close(self) -> None:
         """End the child, whether or not it is done."""
@@ -60,7 +78,7 @@ class CompileChild:
         self._process.wait()
         for pipe in (self._process.stdin, self._process.stdout):
             pipe.close()
-        self._ended = True
+        self._ended = self._closed = True
 
     def _read_one(self) -> None:
         line = self._process.stdout.readline()

@@ -29,21 +29,29 @@ log = logging.getLogger(__name__)
 
 
 def start_compile_child(engine, stages: list[str]) -> CompileChild | None:
-    """A child that fills the compile cache for those of `engine`'s warm-up stages named in `stages`; None where
-    it cannot build the engine's twin (a parallel or a hand-built model) or where the cache holds those stages
-    already (a warm start: loading them here is quicker than waiting for a child to find them)."""
+    """A child that fills the compile cache for those of `engine`'s warm-up stages named in `stages` that the
+    cache lacks; None where it cannot build the engine's twin (a parallel or a hand-built model) or where the
+    cache holds all of them (a warm start: loading them here is quicker than waiting for a child to find them)."""
     spec = child_spec(engine)
     if spec is None:
         return None
-    spec["stages"] = [what for what in stages if what not in HOST_READING_STAGES]
-    marker = filled_marker(spec)
-    if marker.exists():
-        log.info("the compile cache holds this model's steps (%s): loading them in this process", marker.parent)
+    wanted = [what for what in stages if what not in HOST_READING_STAGES]
+    spec["stages"] = [what for what in wanted if not filled_marker(spec, what).exists()]
+    if not spec["stages"]:
+        log.info("the compile cache holds this model's steps (%s): loading them in this process",
+                 filled_marker(spec, "").parent)
         return None
     root = str(Path(__file__).resolve().parents[2])  # where `server` is importable from
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     log_path = Path(tempfile.gettempdir()) / f"mps-serve-compile-{os.getpid()}.log"
-    return CompileChild.start({**spec, "marker": str(marker)}, [sys.executable, "-m", __name__], env, log_path)
+    return CompileChild.start(spec, [sys.executable, "-m", __name__], env, log_path, count_cache_misses)
+
+
+def count_cache_misses() -> int:
+    """Inductor's FX-graph cache misses in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"]
 
 
 def child_spec(engine) -> dict | None:
@@ -76,11 +84,13 @@ def source_fingerprint() -> str:
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
 
 
-def filled_marker(spec: dict) -> Path:
-    """The file a child leaves once it filled every stage of `spec`, in inductor's cache directory."""
+def filled_marker(spec: dict, what: str) -> Path:
+    """The file a child leaves in inductor's cache directory once it filled stage `what` of the engine `spec`
+    describes (whichever stages it was asked for)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
-    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:32]
+    engine = {k: v for k, v in spec.items() if k != "stages"}
+    key = hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
     return Path(cache_dir()) / "mps-serve-filled" / key
 
 
@@ -104,7 +114,6 @@ def main() -> int:
         say(failed=f"{type(exc).__name__}: {exc}"[:300])
         return 1
     say(stages=[what for what, _ in stages])
-    all_ok = True
     for what, run in stages:
         start = time.perf_counter()
         try:
@@ -112,12 +121,11 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 - this stage is the serving process's to compile
             log.exception("compiling %s failed", what)
             say(stage=what, ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-            all_ok = False
             continue
+        marker = filled_marker(spec, what)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps([spec, what], sort_keys=True))
         say(stage=what, ok=True, seconds=round(time.perf_counter() - start, 1))
-    if all_ok:
-        Path(spec["marker"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(spec["marker"]).write_text(json.dumps(spec, sort_keys=True))
     return 0
 
 

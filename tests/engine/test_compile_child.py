@@ -107,3 +107,26 @@ def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path):
                                                                        tensor.device), name
     assert real.lm_head.weight is real.model.embed_tokens.weight
     assert twin.lm_head.weight is twin.model.embed_tokens.weight
+
+
+def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, with_child, monkeypatch):
+    """Each stage the child fills leaves a marker keyed by the engine's whole description; a start asks the child
+    for the others only, and starts none when the cache holds them all. Prefill (whole requests) is never asked."""
+    path, _ = tiny_checkpoint("llama")
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    started = []
+    monkeypatch.setattr(compile_worker.CompileChild, "start", lambda spec, *args: started.append(spec) or "child")
+    stages = ["the decode step of one sequence", "the sampler", "prefill"]
+    assert compile_worker.start_compile_child(engine, stages) == "child"
+    spec = started.pop()
+    assert spec["stages"] == stages[:2]
+    marker = compile_worker.filled_marker(spec, stages[0])
+    marker.parent.mkdir(parents=True)
+    marker.write_text("filled")
+    compile_worker.start_compile_child(engine, stages)
+    assert started.pop()["stages"] == stages[1:2]
+    compile_worker.filled_marker(spec, stages[1]).write_text("filled")
+    assert compile_worker.start_compile_child(engine, stages) is None
+    other = Engine.from_pretrained(str(path), **{**ENGINE_KW, "max_num_seqs": 4}, compile="on")  # other graphs
+    compile_worker.start_compile_child(other, stages)
+    assert started.pop()["stages"] == stages[:2]
