@@ -1,8 +1,8 @@
 """The compile child (`python -m server.engine.compile_worker`, started by `start_compile_child`; compile_child
-has the serving side and the protocol): the serving engine's twin, every parameter, buffer and cache a FakeTensor
-of the real shape, dtype and device (no weight or KV memory), runs the warm-up stages with each graph handed to
-inductor, which writes its caches, and run as FX code on the fakes (compiled kernels would read data the fakes do
-not have). The serving process then compiles each stage as a cache hit."""
+has the serving side and the protocol). It builds the serving engine's twin, every parameter, buffer and cache a
+FakeTensor of the real shape, dtype and device (no weight or KV memory), and runs the warm-up stages: each graph
+goes to inductor, which writes its caches, and then runs as FX code on the fakes (compiled kernels would read data
+the fakes do not have). The serving process then compiles each stage as a cache hit."""
 
 from __future__ import annotations
 
