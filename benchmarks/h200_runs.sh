@@ -17,10 +17,11 @@
 #              CUDA graphs on (STARTUP_GRAPHS=off: the Mac-like mode, Python wrapper first, then the C++ wrapper)
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s, 0 skips; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
-#              weights are loaded (benchmarks/warmup_time.py)
+#              weights are loaded (benchmarks/warmup_time.py); STARTUP_CHILD=off compiles in the serving process
 #   eagercost  the eager decode rate alone and while the compile runs beside it, Llama-3.1-8B and Qwen3-30B-A3B, cold
-#              cache, GIL switch interval 200 and 20 us (EAGERCOST_RUNS="preset:us ...", each up to EAGERCOST_LIMIT_S;
-#              benchmarks/warmup_time.py --eager-only): what the background compile costs the first requests
+#              cache, GIL switch interval 200 and 20 us (EAGERCOST_RUNS="preset:us:child ...", child on|off, each up
+#              to EAGERCOST_LIMIT_S; benchmarks/warmup_time.py --eager-only): what the background compile costs the
+#              first requests
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
 #              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py),
 #              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
@@ -63,13 +64,14 @@ for case in "$@"; do
     startup) for limit in ${STARTUP_COLD_LIMIT_S:-330} ${STARTUP_WARM_LIMIT_S:-200}; do [ "$limit" = 0 ] && continue
                timeout $limit python3 \
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --graphs ${STARTUP_GRAPHS:-on} \
-               --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on} 2>&1 \
+               --compile-child ${STARTUP_CHILD:-on} \
+               --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on}-${STARTUP_CHILD:-on} 2>&1 \
                | grep '^{\|compiled \|failed\|compile child\|compile cache' >> "$out/startup.txt"; done ;;
-    eagercost) for run in ${EAGERCOST_RUNS:-llama-3.1-8b:200 llama-3.1-8b:20 qwen3-30b-a3b:200 qwen3-30b-a3b:20}; do
-                 set -- ${run/:/ }
+    eagercost) for run in ${EAGERCOST_RUNS:-qwen3-30b-a3b:20:on qwen3-30b-a3b:20:off llama-3.1-8b:20:on llama-3.1-8b:20:off}; do
+                 set -- ${run//:/ }
                  timeout ${EAGERCOST_LIMIT_S:-150} python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \
-                   --cache-dir /tmp/eagercost-$1-$2 > "$out/eagercost-$1-$2.log" 2>&1
-                 grep '^{' "$out/eagercost-$1-$2.log" >> "$out/eagercost.txt"; done ;;
+                   --compile-child $3 --cache-dir /tmp/eagercost-$1-$2-$3 > "$out/eagercost-$1-$2-$3.log" 2>&1
+                 grep '^{' "$out/eagercost-$1-$2-$3.log" >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
     fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
