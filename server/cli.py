@@ -233,7 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
 
     def build_engine() -> AsyncEngine:
-        engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests)
+        engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests, config.server.warmup)
         if config.server.warmup:
             engine.compile_in_background()
         freeze_startup_objects()

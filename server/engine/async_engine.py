@@ -119,8 +119,10 @@ class AsyncEngine:
         self._event_loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256) -> AsyncEngine:
-        return cls(Engine.from_config(config), max_waiting_requests)
+    def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256,
+                    compile_beside_serving: bool = False) -> AsyncEngine:
+        """`compile_beside_serving`: `compile_in_background` comes next (Engine.from_config)."""
+        return cls(Engine.from_config(config, compile_beside_serving), max_waiting_requests)
 
     @property
     def is_ready(self) -> bool:

@@ -17,7 +17,7 @@ from server.engine.decode_graphs import DecodeGraphs, use_flex_at_batch_1
 from server.engine.kv_manager import KVManager
 from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner
 from server.engine.scheduler import Scheduler, SchedulerConfig
-from server.engine.state_cache import StateCache, state_pool
+from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
 from server.models.parallel import Layout
@@ -35,10 +35,12 @@ class EngineParts:
     compile_prefill: bool  # the config's None resolved for this device and model
 
 
-def load_pretrained(config: EngineConfig, layout: Layout | None = None
+def load_pretrained(config: EngineConfig, layout: Layout | None = None,
+                    on_materialized: Callable[[torch.nn.Module, torch.device, torch.dtype, int], None] | None = None,
                     ) -> tuple[torch.nn.Module, Tokenizer, torch.device, torch.dtype, int]:
     """-> (model, tokenizer, device, dtype, max_model_len) of `config.model` (the demo, a path or a Hub id);
-    under a parallel `layout`, this rank's part of the model."""
+    under a parallel `layout`, this rank's part of the model. `on_materialized(model, device, dtype,
+    max_model_len)` runs once the model's tensors hold their device memory, while its weights are still to load."""
     if config.model == "demo":
         from server.engine.demo import ensure_demo_model
 
@@ -51,31 +53,36 @@ def load_pretrained(config: EngineConfig, layout: Layout | None = None
     dtype = device_mod.select_dtype(config.dtype, device, checkpoint_dtype)
     log.info("loading %s on %s (%s) as %s", config.model, device, reason, dtype)
     start = time.perf_counter()
-    model, _ = load_model(model_dir, device, dtype, config.quantization, layout)
+    hook = None if on_materialized is None else (
+        lambda model: on_materialized(model, device, dtype, serving_len(config, model)))
+    model, _ = load_model(model_dir, device, dtype, config.quantization, layout, hook)
     tokenizer = Tokenizer.from_pretrained(model_dir)
     log.info("weights loaded%s in %.1f s", " and quantized" if config.quantization else "", time.perf_counter() - start)
+    return model, tokenizer, device, dtype, serving_len(config, model)
+
+
+def serving_len(config: EngineConfig, model) -> int:
+    """The longest sequence served: the configured length, at most the model's."""
     limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
-    return model, tokenizer, device, dtype, min(config.max_model_len or limit, limit)
+    return min(config.max_model_len or limit, limit)
 
 
 def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None) -> EngineParts:
-    """`agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold."""
+                max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None,
+                num_kv_blocks: int | None = None) -> EngineParts:
+    """`num_kv_blocks`: the paged KV's usable blocks, planned already (`plan_num_kv_blocks`, before the weights
+    streamed in); `agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold."""
+    if num_kv_blocks is None:
+        num_kv_blocks = plan_num_kv_blocks(model, config, device, dtype, max_model_len)
+    if agree_num_blocks is not None:
+        num_kv_blocks = agree_num_blocks(num_kv_blocks)
     specs = model.state_shapes() if hasattr(model, "state_shapes") else None
-    # The state pool is allocated first: the KV budget's share of free memory then accounts for it.
-    state_cache, state_slots, state_bytes = state_pool(
+    state_cache, state_slots = state_pool(
         specs, config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype, device
     )
-    shapes = model.kv_cache_shapes()
-    budget = kv_budget_bytes(config, device, state_bytes)
-    # at least 1: a pipeline stage without attention layers holds no KV, only the block count every rank shares
-    per_block = max(KVCache.bytes_per_block(shapes, config.block_size, dtype), 1)
-    num_blocks = num_kv_blocks(budget, per_block, config.block_size, max_model_len, config.max_num_seqs)
-    if agree_num_blocks is not None:
-        num_blocks = agree_num_blocks(num_blocks)
     # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-    kv_cache = KVCache(shapes, num_blocks + 1, config.block_size, dtype, device)
-    allocator = BlockAllocator(num_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
+    kv_cache = KVCache(model.kv_cache_shapes(), num_kv_blocks + 1, config.block_size, dtype, device)
+    allocator = BlockAllocator(num_kv_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
     kv_manager = KVManager(allocator, state_slots)
     limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler = Scheduler(limits, kv_manager)
@@ -88,9 +95,21 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, compile_prefill)
 
 
+def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                       max_model_len: int) -> int:
+    """The paged KV's usable blocks for `model`, whose weights hold their device memory already (loaded or not);
+    the hybrids' state pool, not yet allocated, draws from the same budget."""
+    specs = model.state_shapes() if hasattr(model, "state_shapes") else None
+    state_bytes = state_pool_bytes(specs, config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype)
+    budget = kv_budget_bytes(config, device, state_bytes)
+    # at least 1: a pipeline stage without attention layers holds no KV, only the block count every rank shares
+    per_block = max(KVCache.bytes_per_block(model.kv_cache_shapes(), config.block_size, dtype), 1)
+    return num_kv_blocks(budget, per_block, config.block_size, max_model_len, config.max_num_seqs)
+
+
 def kv_budget_bytes(config: EngineConfig, device: torch.device, state_bytes: int) -> int:
-    """The paged KV's bytes: as configured, else a share of free memory, which the hybrids' states (allocated
-    already, `state_bytes`) also draw from."""
+    """The paged KV's bytes: as configured, else a share of free memory, which the hybrids' states (not yet
+    allocated, `state_bytes`) also draw from."""
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes
     return int(device_mod.free_memory_bytes(device) * config.kv_cache_memory_fraction) - state_bytes
@@ -98,18 +117,30 @@ def kv_budget_bytes(config: EngineConfig, device: torch.device, state_bytes: int
 
 def num_kv_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,
                   max_num_seqs: int) -> int:
-    """Blocks that fit the budget, at most enough for max_num_seqs sequences of max_model_len tokens."""
+    """Blocks that fit the budget, at most enough for max_num_seqs sequences of max_model_len tokens. A count
+    the budget limits is rounded down to a multiple of a power of two near 1/64 of it (at most 1/64 less): the
+    block count is part of every compiled graph's cache key, and free memory differs a little from start to
+    start, which would otherwise make a warm restart recompile everything."""
     blocks_per_seq = -(-max_model_len // block_size)
-    num_blocks = min(budget_bytes // bytes_per_block, max_num_seqs * blocks_per_seq)
-    if num_blocks < blocks_per_seq and num_blocks < 2:
+    fitting = budget_bytes // bytes_per_block
+    if fitting < blocks_per_seq and fitting < 2:
         raise ValueError(f"the KV memory budget ({budget_bytes} bytes) holds no KV block of {bytes_per_block} bytes")
-    return int(num_blocks)
+    cap = max_num_seqs * blocks_per_seq
+    if fitting >= cap:
+        return int(cap)
+    granule = 1 << max((fitting // 64).bit_length() - 1, 0)
+    return int(fitting // granule * granule)
+
+
+def compiles_decode(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the decode step is compiled: by default on GPU backends, not on the CPU (tests switch it on)."""
+    return config.compile == "on" or (config.compile == "auto" and device.type != "cpu")
 
 
 def decode_graphs(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
                   state_cache: StateCache | None, max_model_len: int) -> DecodeGraphs | None:
-    """The compiled decode step: on by default on GPU backends, off on the CPU (tests switch it on)."""
-    if config.compile == "off" or (config.compile == "auto" and device.type == "cpu"):
+    """The compiled decode step, where `compiles_decode`."""
+    if not compiles_decode(config, device):
         return None
     flex = use_flex_at_batch_1(device, dtype, config.block_size, state_cache is None)
     blocks_per_seq = -(-max_model_len // config.block_size)

@@ -7,8 +7,9 @@ same warm-up stages and so fills inductor's on-disk caches; the serving process 
 the cold one. Whatever the child does not fill (a stage it skips or fails, or all of them when it dies) the
 serving process compiles itself, as before: the child only ever saves time.
 
-Protocol, one JSON object per line: the spec on the child's stdin (kept open: the child ends when it closes), then
-on its stdout `{"stages": [what, ...]}` (the stages it will fill, in the serving process's order), one
+Protocol, one JSON object per line: the spec on the child's stdin (kept open: the child ends when it closes), there
+later `{"stages": [what, ...]}` where the child started before the engine existed (the stages the serving process
+runs; the child skips others), on its stdout `{"stages": [what, ...]}` (the stages it will fill, in the serving process's order), one
 `{"stage": what, "ok": bool, "seconds": s, "error": text}` per stage, and `{"failed": text}` if it cannot go on.
 """
 
@@ -47,6 +48,14 @@ class CompileChild:
         log.info("compiling in a child process (pid %d, log %s); this one loads what it compiled", process.pid,
                  log_path)
         return cls(process, log_path, count_misses)
+
+    def want(self, stages: list[str]) -> None:
+        """Tell a child started before the engine existed which stages this process runs: it skips the others."""
+        try:
+            self._process.stdin.write(json.dumps({"stages": stages}) + "\n")
+            self._process.stdin.flush()
+        except (OSError, ValueError):  # it ended already (or was ended): nothing to tell
+            pass
 
     def wait_for(self, what: str) -> bool:
         """Block until the child has filled the caches for stage `what` -> whether it did. False at once for a
@@ -94,6 +103,8 @@ class CompileChild:
             return  # not ours: the child's stdout is its protocol only, but a stray print must not stop us
         if "stages" in message:
             self._announced = list(message["stages"])
+            if not self._announced:  # it had started before the engine could look for them
+                log.info("the compile cache holds this model's steps: loading them in this process")
         elif "stage" in message:
             self._reported[message["stage"]] = message
             if message.get("ok"):

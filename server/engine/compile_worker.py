@@ -28,16 +28,15 @@ from server.engine.warmup import HOST_READING_STAGES
 log = logging.getLogger(__name__)
 
 
-def start_compile_child(engine, stages: list[str]) -> CompileChild | None:
-    """A child that fills the compile cache for those of `engine`'s warm-up stages named in `stages` that the
-    cache lacks; None where it cannot build the engine's twin (a parallel or a hand-built model) or where the
-    cache holds all of them (a warm start: loading them here is quicker than waiting for a child to find them)."""
-    spec = child_spec(engine)
+def start_compile_child(spec: dict | None, stages: list[str] | None) -> CompileChild | None:
+    """A child that fills the compile cache for those of the engine's warm-up stages named in `stages` that the
+    cache lacks (None: all of them; the child names them once it has built the twin). None where `spec` is (the
+    engine has no twin: a parallel or a hand-built model) or where the cache holds all of `stages` (a warm
+    start: loading them here is quicker than waiting for a child to find them)."""
     if spec is None:
         return None
-    wanted = [what for what in stages if what not in HOST_READING_STAGES]
-    spec["stages"] = [what for what in wanted if not filled_marker(spec, what).exists()]
-    if not spec["stages"]:
+    spec = dict(spec, stages=None if stages is None else stages_to_fill(spec, stages))
+    if spec["stages"] == []:
         log.info("the compile cache holds this model's steps (%s): loading them in this process",
                  filled_marker(spec, "").parent)
         return None
@@ -47,6 +46,12 @@ def start_compile_child(engine, stages: list[str]) -> CompileChild | None:
     return CompileChild.start(spec, [sys.executable, "-m", __name__], env, log_path, count_cache_misses)
 
 
+def stages_to_fill(spec: dict, stages: list[str]) -> list[str]:
+    """Those of `stages` a child can fill and the cache lacks: not the ones reading ids on the host, not the ones
+    a child filled for this same engine before."""
+    return [what for what in stages if what not in HOST_READING_STAGES and not filled_marker(spec, what).exists()]
+
+
 def count_cache_misses() -> int:
     """Inductor's FX-graph cache misses in this process so far."""
     from torch._dynamo.utils import counters
@@ -54,15 +59,36 @@ def count_cache_misses() -> int:
     return counters["inductor"]["fxgraph_cache_miss"]
 
 
-def child_spec(engine) -> dict | None:
-    """What the child needs to build `engine`'s twin, all of it part of the cache key of its stages."""
-    model, config = engine.model, engine.config
+class ChildBeforeLoad:
+    """`load_pretrained`'s `on_materialized`: starts the compile child (through `start`, start_compile_child)
+    once the model's tensors hold their device memory, so that it compiles while the weights stream in. The KV
+    block count is planned then, as the twin needs it: the weights' memory is taken, their values do not
+    matter."""
+
+    def __init__(self, config: EngineConfig, start):
+        self.config, self._start = config, start
+        self.child: CompileChild | None = None
+        self.num_kv_blocks: int | None = None
+
+    def __call__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        from server.engine.build import compiles_decode, plan_num_kv_blocks
+
+        self.num_kv_blocks = plan_num_kv_blocks(model, self.config, device, dtype, max_model_len)
+        if compiles_decode(self.config, device) or self.config.compile_prefill:
+            spec = child_spec(model, self.config, device, dtype, max_model_len, self.num_kv_blocks)
+            self.child = self._start(spec, None)
+
+
+def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype, max_model_len: int,
+               num_kv_blocks: int) -> dict | None:
+    """What the child needs to build the twin of the engine these make, all of it part of its stages' cache
+    key."""
     hf_config = getattr(model, "hf_config", None)
     if hf_config is None or config.tensor_parallel > 1 or config.pipeline_parallel > 1:
         return None
-    return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(engine.device),
-            "dtype": str(engine.dtype).removeprefix("torch."), "max_model_len": engine.max_model_len,
-            "num_kv_blocks": engine.kv_cache.num_blocks - 1, "fp8_kept": fp8_kept_linears(model),
+    return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
+            "num_kv_blocks": num_kv_blocks, "fp8_kept": fp8_kept_linears(model),
             "num_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "source": source_fingerprint()}
 
@@ -86,10 +112,12 @@ def source_fingerprint() -> str:
 
 def filled_marker(spec: dict, what: str) -> Path:
     """The file a child leaves in inductor's cache directory once it filled stage `what` of the engine `spec`
-    describes (whichever stages it was asked for)."""
+    describes (whichever stages it was asked for). The KV memory settings are not in its key: what they do to
+    the graphs is the block count's, which is."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
     engine = {k: v for k, v in spec.items() if k != "stages"}
+    engine["config"] = {k: v for k, v in spec["config"].items() if not k.startswith("kv_cache_memory_")}
     key = hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
     return Path(cache_dir()) / "mps-serve-filled" / key
 
@@ -99,7 +127,8 @@ def main() -> int:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to the log, not into the protocol
     spec = json.loads(sys.stdin.readline())
-    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    wanted: dict[str, set[str]] = {}  # "stages": those the serving process runs, once it says so
+    threading.Thread(target=_read_parent, args=(wanted,), daemon=True).start()
     with contextlib.suppress(OSError):
         os.nice(10)  # the serving process's steps come first
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -114,7 +143,9 @@ def main() -> int:
         say(failed=f"{type(exc).__name__}: {exc}"[:300])
         return 1
     say(stages=[what for what, _ in stages])
-    for what, run in stages:
+    for what, run in stages:  # none where a child before us filled them all
+        if what not in wanted.get("stages", (what,)):
+            continue
         start = time.perf_counter()
         try:
             run()
@@ -129,9 +160,12 @@ def main() -> int:
     return 0
 
 
-def _exit_with_parent() -> None:
-    """The serving process keeps our stdin open; when it ends (or ends us), so do we."""
-    sys.stdin.read()
+def _read_parent(wanted: dict[str, set[str]]) -> None:
+    """The serving process keeps our stdin open, and may name the stages it runs there (a child started before
+    the engine existed fills all it can until then); when it ends (or ends us), so do we."""
+    for line in sys.stdin:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            wanted["stages"] = set(json.loads(line)["stages"])
     os._exit(0)
 
 
@@ -161,7 +195,8 @@ def twin_stages(spec: dict) -> list:
     graphs = engine.runner.decode_graphs
     if graphs is not None:
         graphs.use_graphs = False  # compile what the server captures, without a capture (no real tensors here)
-    return [(what, _under(fake_mode, run)) for what, run in stages if what in spec["stages"]]
+    wanted = spec["stages"] if spec["stages"] is not None else stages_to_fill(spec, [what for what, _ in stages])
+    return [(what, _under(fake_mode, run)) for what, run in stages if what in wanted]
 
 
 def _under(mode, run):

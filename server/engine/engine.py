@@ -29,7 +29,7 @@ import torch
 from server.config import EngineConfig
 from server.engine.background_compile import BackgroundCompile, describe_failure, run_stage
 from server.engine.build import EngineParts, build_parts, load_pretrained
-from server.engine.compile_worker import start_compile_child
+from server.engine.compile_worker import ChildBeforeLoad, child_spec, start_compile_child
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
@@ -83,6 +83,7 @@ class Engine:
         self._warmed_up = False
         self._background: BackgroundCompile | None = None
         self._compiled_runner: ModelRunner | None = None  # built beside serving, in use once ready
+        self._early_child = None  # the compile child started while the weights loaded (from_config)
         self._warming_up = False  # warm_up's runs: a compile failure is raised to its caller
         self._compile_failed = False  # the lazily compiled step failed: eager from then on
 
@@ -100,15 +101,22 @@ class Engine:
         return cls(model, tokenizer, config, device, dtype, limit, config.model)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> Engine:
+    def from_config(cls, config: EngineConfig, compile_beside_serving: bool = False) -> Engine:
+        """`compile_beside_serving`: the caller calls `compile_in_background` next; its compile child starts as
+        soon as the model's tensors exist, and compiles while the weights load."""
         apply_cpu_threads(config.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
         if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
             from server.engine.distributed import BuildSpec, start_engine  # it builds Engines: imported late
 
             return start_engine(BuildSpec(config))
-        model, tokenizer, device, dtype, max_model_len = load_pretrained(config)
+        early = ChildBeforeLoad(config, start_compile_child) if compile_beside_serving else None
+        model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)
         pooling = None if config.model == "demo" else read_pooling(resolve_model_path(config.model, config.revision))
-        return cls(model, tokenizer, config, device, dtype, max_model_len, config.model, pooling=pooling)
+        parts = build_parts(model, config, device, dtype, max_model_len,
+                            num_kv_blocks=early.num_kv_blocks if early else None)
+        engine = cls(model, tokenizer, config, device, dtype, max_model_len, config.model, parts, pooling)
+        engine._early_child = early.child if early else None
+        return engine
 
     @property
     def weight_bytes(self) -> int:
@@ -131,12 +139,21 @@ class Engine:
         """Serve on the eager path now and warm the compiled steps up on a thread of their own; the engine moves
         to them between two steps, stage by stage (warmup.warm_up_stages), with the same tokens. None when
         nothing is to compile."""
+        child, self._early_child = self._early_child, None
         if self.compile_state != "lazy":
+            if child is not None:
+                child.close()
             return None
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
         stages = self._warm_up_stages(compiled, beside_serving=True)
-        self._background = BackgroundCompile(stages, str(self.device), start_compile_child(self, [what for what, _ in stages]))
+        if child is None:
+            spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
+                              self.kv_cache.num_blocks - 1)
+            child = start_compile_child(spec, [what for what, _ in stages])
+        else:
+            child.want([what for what, _ in stages])
+        self._background = BackgroundCompile(stages, str(self.device), child)
         compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self._background.start()
         return self._background

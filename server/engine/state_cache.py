@@ -8,6 +8,7 @@ in the order restores, resets, saves, so a snapshot read and overwritten in the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -18,15 +19,24 @@ StateSpec = list[tuple[tuple[int, ...], torch.dtype | None]]  # one state layer:
 
 
 def state_pool(specs: list[StateSpec] | None, max_num_seqs: int, enable_prefix_caching: bool, block_size: int,
-               dtype: torch.dtype, device: torch.device) -> tuple[StateCache | None, StateSlots | None, int]:
+               dtype: torch.dtype, device: torch.device) -> tuple[StateCache | None, StateSlots | None]:
     """Hybrid models (`specs` given): one live slot per running sequence plus as many block-boundary snapshots
     (prefix reuse of a conversation's states) when prefix caching is on. -> (the state tensors, their slot
-    bookkeeping, their bytes); (None, None, 0) for attention-only models."""
+    bookkeeping); (None, None) for attention-only models."""
     if specs is None:
-        return None, None, 0
+        return None, None
     slots = StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
-    cache = StateCache(specs, slots.num_slots, dtype, device)
-    return cache, slots, cache.nbytes
+    return StateCache(specs, slots.num_slots, dtype, device), slots
+
+
+def state_pool_bytes(specs: list[StateSpec] | None, max_num_seqs: int, enable_prefix_caching: bool, block_size: int,
+                     dtype: torch.dtype) -> int:
+    """The bytes `state_pool` allocates for these arguments, without allocating them."""
+    if specs is None:
+        return 0
+    slots = StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
+    return sum(math.prod(shape) * (tdtype or dtype).itemsize * (slots.num_slots + 1) for spec in specs
+               for shape, tdtype in spec)
 
 
 class StateCache:
@@ -41,10 +51,6 @@ class StateCache:
             tuple(torch.zeros(num_slots + 1, *shape, dtype=tdtype or dtype, device=device) for shape, tdtype in spec)
             for spec in specs
         ]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for tensors in self.layers for t in tensors)
 
     def prepare(self, chunks, meta) -> None:
         """Before a step: the state copies (`apply_copies`), then point `meta` at the sequences' slots.

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -329,11 +329,12 @@ def memory_bytes(device: torch.device) -> int:
 
 def load_model(
     model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None,
-    layout: Layout | None = None,
+    layout: Layout | None = None, on_materialized: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Build the architecture named by config.json (this rank's part of it under a parallel `layout`) and
     stream the weights in (quantized to FP8 tensor by tensor when `quantization="fp8"`, or when the checkpoint
-    holds FP8 weights)."""
+    holds FP8 weights). `on_materialized(model)` runs once the model's tensors hold their device memory, before
+    any weight is read."""
     config = read_config(model_dir)
     quant_config = config.get("quantization_config") or {}
     checkpoint_fp8 = quant_config.get("quant_method") == "fp8"
@@ -344,6 +345,8 @@ def load_model(
         model = empty_model(config, device, dtype, quantization, layout)
     except (ValueError, ModelLoadError) as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
+    if on_materialized is not None:
+        on_materialized(model)
     loader = WeightLoader(model)
     fp8_block = tuple(quant_config.get("weight_block_size") or (128, 128)) if checkpoint_fp8 else None
     with torch.no_grad():

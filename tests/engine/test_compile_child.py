@@ -12,6 +12,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import server.engine.engine
+from server.config import EngineConfig
 from server.engine import compile_worker
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
@@ -37,38 +38,44 @@ def keep_stages(monkeypatch, keep) -> None:
                         lambda *args: [stage for stage in stages(*args) if keep(stage[0])])
 
 
-def compile_beside_serving(path, prompts, caplog) -> tuple[list[list[int]], list[list[int]], dict]:
-    """Serve `prompts` while compiling, then after it -> (tokens meanwhile, tokens compiled, inductor's counts of
-    the compile)."""
-    engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+def compile_beside_serving(path, prompts, caplog, **engine_kw) -> tuple[list[list[int]], list[list[int]], dict]:
+    """Start as `serve` does (the child starts before the weights load) and serve `prompts` while compiling, then
+    after it -> (tokens meanwhile, tokens compiled, inductor's counts of the compile)."""
     counters.clear()
+    config = EngineConfig(model=str(path), **{**ENGINE_KW, **engine_kw}, compile="on")
+    engine = Engine.from_config(config, compile_beside_serving=True)
     with caplog.at_level(logging.INFO):
         background = engine.compile_in_background()
         meanwhile = [o.token_ids for o in engine.generate(prompts, PARAMS)]
         assert background.join(300) and engine.compile_state == "ready", background.error
-    counts = dict(counters["inductor"])
+    counts = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}
     compiled = [o.token_ids for o in engine.generate(prompts, PARAMS)]
     assert engine.runner.decode_graphs is not None
     return meanwhile, compiled, counts
 
 
-def test_a_child_fills_the_cache_so_that_serving_only_loads_and_a_warm_start_needs_no_child(tiny_checkpoint,
-                                                                                           with_child, caplog):
+def test_a_child_fills_the_cache_so_that_serving_only_loads_and_a_warm_restart_compiles_nothing(tiny_checkpoint,
+                                                                                               with_child, caplog):
+    """Also when the restart finds a little less free memory: the KV block count (in every graph's cache key) is
+    planned in steps coarse enough to stay the same."""
     path, _ = tiny_checkpoint("qwen3_moe")
     prompts = [random_ids(n, n + 3) for n in (6, 11)]
-    expected = [o.token_ids for o in Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
-                .generate(prompts, PARAMS)]
-    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog)
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    expected = [o.token_ids for o in eager.generate(prompts, PARAMS)]
+    block_bytes = sum(layer[0].numel() * layer.element_size() for layer in eager.kv_cache.layers)
+    # 171 blocks, fewer than 8 sequences of max_model_len: the budget sets the count (170, a multiple of 2)
+    kv_bytes = 171 * block_bytes
+    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog, kv_cache_memory_bytes=kv_bytes)
     assert meanwhile == expected and compiled == expected
     filled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("the compile child filled")]
     assert len(filled) == 3, filled  # one sequence, the sampler, 2-8 sequences
     assert counts.get("fxgraph_cache_miss", 0) == 0 and counts["fxgraph_cache_hit"] >= 3, counts
     caplog.clear()
     torch._dynamo.reset()  # as a restart: no compiled code in memory
-    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog)  # on the filled cache
+    meanwhile, compiled, counts = compile_beside_serving(path, prompts, caplog,
+                                                         kv_cache_memory_bytes=kv_bytes - block_bytes)
     assert meanwhile == expected and compiled == expected
-    assert any(r.getMessage().startswith("the compile cache holds this model's steps") for r in caplog.records)
-    assert not any("compile child" in r.getMessage() for r in caplog.records)
+    assert not any("compile child filled" in r.getMessage() for r in caplog.records)
     assert counts.get("fxgraph_cache_miss", 0) == 0 and counts["fxgraph_cache_hit"] >= 3, counts
 
 
@@ -76,9 +83,9 @@ def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_check
                                                                      monkeypatch):
     path, _ = tiny_checkpoint("llama")
     keep_stages(monkeypatch, lambda what: what == "the decode step of one sequence")
-    child_spec = compile_worker.child_spec
-    monkeypatch.setattr(compile_worker, "child_spec",  # a model the child cannot build
-                        lambda engine: {**child_spec(engine), "hf_config": {"model_type": "no_such_model"}})
+    monkeypatch.setattr(server.engine.engine, "start_compile_child",  # a model the child cannot build
+                        lambda spec, stages: compile_worker.start_compile_child(
+                            {**spec, "hf_config": {"model_type": "no_such_model"}}, stages))
     prompts = [random_ids(7, 1)]
     expected = [o.token_ids for o in Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
                 .generate(prompts, PARAMS)]
@@ -117,16 +124,65 @@ def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, w
     started = []
     monkeypatch.setattr(compile_worker.CompileChild, "start", lambda spec, *args: started.append(spec) or "child")
     stages = ["the decode step of one sequence", "the sampler", "prefill"]
-    assert compile_worker.start_compile_child(engine, stages) == "child"
+    assert compile_worker.start_compile_child(spec_of(engine), stages) == "child"
     spec = started.pop()
     assert spec["stages"] == stages[:2]
     marker = compile_worker.filled_marker(spec, stages[0])
     marker.parent.mkdir(parents=True)
     marker.write_text("filled")
-    compile_worker.start_compile_child(engine, stages)
+    compile_worker.start_compile_child(spec_of(engine), stages)
     assert started.pop()["stages"] == stages[1:2]
+    compile_worker.start_compile_child(spec_of(engine), None)  # before the engine exists: the child picks
+    assert started.pop()["stages"] is None and compile_worker.stages_to_fill(spec, stages) == stages[1:2]
     compile_worker.filled_marker(spec, stages[1]).write_text("filled")
-    assert compile_worker.start_compile_child(engine, stages) is None
+    assert compile_worker.start_compile_child(spec_of(engine), stages) is None
     other = Engine.from_pretrained(str(path), **{**ENGINE_KW, "max_num_seqs": 4}, compile="on")  # other graphs
-    compile_worker.start_compile_child(other, stages)
+    compile_worker.start_compile_child(spec_of(other), stages)
     assert started.pop()["stages"] == stages[:2]
+
+
+def spec_of(engine) -> dict:
+    return compile_worker.child_spec(engine.model, engine.config, engine.device, engine.dtype, engine.max_model_len,
+                                     engine.kv_cache.num_blocks - 1)
+
+
+def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it_over(tiny_checkpoint,
+                                                                                      monkeypatch):
+    """The child starts once the model's tensors exist, before any weight is read, for the KV block count the
+    engine then holds; `compile_in_background` waits on that child. Where nothing compiles, no child starts."""
+    from server.engine.weights import WeightLoader
+
+    path, _ = tiny_checkpoint("llama")
+    weights_read, started = [], []
+    load = WeightLoader.load
+    monkeypatch.setattr(WeightLoader, "load", lambda *args: weights_read.append(1) or load(*args))
+
+    class Child:
+        def want(self, stages):
+            self.wanted = stages
+
+        def wait_for(self, what):
+            return False
+
+        def loaded(self, what):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    def start(spec, stages):
+        started.append((spec, stages, len(weights_read)))
+        return Child()
+
+    monkeypatch.setattr(server.engine.engine, "start_compile_child", start)
+    kw = dict(ENGINE_KW, kv_cache_memory_bytes=100_000)  # a budget-limited count
+    engine = Engine.from_config(EngineConfig(model=str(path), **kw, compile="on"), compile_beside_serving=True)
+    (spec, stages, num_read), = started
+    assert num_read == 0 and weights_read and stages is None
+    assert spec["num_kv_blocks"] == engine.kv_cache.num_blocks - 1 == spec_of(engine)["num_kv_blocks"]
+    background = engine.compile_in_background()
+    assert isinstance(background._child, Child) and len(started) == 1
+    assert background._child.wanted == [what for what, _ in background._stages]
+    assert background.join(300) and engine.compile_state == "ready", background.error
+    Engine.from_config(EngineConfig(model=str(path), **kw, compile="off"), compile_beside_serving=True)
+    assert len(started) == 1
