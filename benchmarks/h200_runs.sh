@@ -18,6 +18,9 @@
 #              (cold up to STARTUP_COLD_LIMIT_S, 330 s, warm up to STARTUP_WARM_LIMIT_S, 200 s, 0 skips; partial lines are
 #              printed as the stages end): first token, one sequence compiled, all compiled, seconds after the
 #              weights are loaded (benchmarks/warmup_time.py); STARTUP_CHILD=off compiles in the serving process
+#   ckptstart  STARTUP_PRESET written to disk as a checkpoint (benchmarks/write_checkpoint.py, bf16), then started as
+#              `serve` starts it from there, cold cache, STARTUP_GRAPHS: the compile child started before the weights
+#              load (on) and after (late), each up to CKPTSTART_LIMIT_S (200 s): what the child's head start saves
 #   eagercost  the eager decode rate alone and while the compile runs beside it, Llama-3.1-8B and Qwen3-30B-A3B, cold
 #              cache, GIL switch interval 200 and 20 us (EAGERCOST_RUNS="preset:us:child ...", child on|off, each up
 #              to EAGERCOST_LIMIT_S; benchmarks/warmup_time.py --eager-only): what the background compile costs the
@@ -67,6 +70,14 @@ for case in "$@"; do
                --compile-child ${STARTUP_CHILD:-on} \
                --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on}-${STARTUP_CHILD:-on} 2>&1 \
                | grep '^{\|compiled \|failed\|compile child\|compile cache' >> "$out/startup.txt"; done ;;
+    ckptstart) ckpt=/tmp/ckpt-${STARTUP_PRESET:-llama-3.1-8b}
+               [ -f $ckpt/config.json ] || python3 benchmarks/write_checkpoint.py --preset ${STARTUP_PRESET:-llama-3.1-8b} \
+                 --out $ckpt >> "$out/ckptstart.txt" 2>&1
+               for child in on late; do rm -rf /tmp/ckptstart-$child
+                 timeout ${CKPTSTART_LIMIT_S:-200} python3 benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} \
+                   --checkpoint $ckpt --serve-path --graphs ${STARTUP_GRAPHS:-on} --compile-child $child \
+                   --cache-dir /tmp/ckptstart-$child 2>&1 | grep '^{\|compiled \|failed\|compile child\|weights loaded' \
+                   >> "$out/ckptstart.txt"; done ;;
     eagercost) for run in ${EAGERCOST_RUNS:-qwen3-30b-a3b:20:on qwen3-30b-a3b:20:off llama-3.1-8b:20:on llama-3.1-8b:20:off}; do
                  set -- ${run//:/ }
                  timeout ${EAGERCOST_LIMIT_S:-150} python3 benchmarks/warmup_time.py --preset $1 --serve-path --eager-only --switch-interval-us $2 \

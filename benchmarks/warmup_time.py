@@ -9,7 +9,9 @@ The second run finds inductor's on-disk caches, as a restart of the server finds
 With --serve-path it starts as `serve` does (the compile on a thread of its own) and reports the first token's
 seconds after the weights are loaded, when one sequence's steps run compiled (the first warm-up stage), when
 every stage is ready, and the decode rates on the way. Prints a JSON line at each of those points, the last one
-complete. --eager-only measures the eager decode rate before the compile starts (`eager_tok_s_alone`) and stops
+complete. With --checkpoint the weights stream from disk through `serve`'s loader, and the compile child starts
+before they do (`--compile-child late`: after, for comparison); seconds still count from the end of the load,
+which `build_s` times. --eager-only measures the eager decode rate before the compile starts (`eager_tok_s_alone`) and stops
 after the rate while compiling: what the compile costs the eager path.
 """
 
@@ -35,8 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", choices=["on", "off"], default="on",
                         help="off: no CUDA graph replays the decode step (the Mac-like mode), whose steps launch "
                              "from inductor's Python wrapper first and from its C++ wrapper after the last stage")
-    parser.add_argument("--compile-child", choices=["on", "off"], default="on",
-                        help="with --serve-path: off compiles in the serving process, as before the compile child, "
+    parser.add_argument("--checkpoint", default=None,
+                        help="load this checkpoint from disk as `serve` does (benchmarks/write_checkpoint.py writes "
+                             "one of a preset) instead of building the preset's random weights on the device")
+    parser.add_argument("--compile-child", choices=["on", "late", "off"], default="on",
+                        help="with --serve-path: on starts it as `serve` does (with --checkpoint before the weights "
+                             "load), late once they are loaded (as before), off compiles in the serving process, "
                              "for comparison (the child only starts where the cache lacks the stages)")
     parser.add_argument("--switch-interval-us", type=float, default=None,
                         help="the GIL switch interval while compiling beside serving, for this measurement only")
@@ -57,22 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     hf_config = load_preset(args.preset).hf_config
     device, _ = device_mod.select_device("auto")
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
+    if args.compile_child == "off":
+        import server.engine.engine
+
+        server.engine.engine.start_compile_child = lambda spec, stages: None
     start = time.perf_counter()
-    model = build_random_model(hf_config, device, dtype, 0)
-    config = EngineConfig(model=args.preset, device=device.type, compile="on", cuda_graphs=args.graphs == "on")
-    engine = Engine.from_model(model, config, device, max_model_len=4096)
+    config = EngineConfig(model=args.checkpoint or args.preset, device=device.type, compile="on",
+                          cuda_graphs=args.graphs == "on", max_model_len=4096)
+    if args.checkpoint:
+        engine = Engine.from_config(config, compile_beside_serving=args.serve_path and args.compile_child == "on")
+    else:
+        engine = Engine.from_model(build_random_model(hf_config, device, dtype, 0), config, device)
     built_s = time.perf_counter() - start
     record = {"preset": args.preset, "device": device.type, "torch_version": torch.__version__, "graphs": args.graphs,
-              "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1)}
+              "cache": "warm" if warm_cache else "cold", "build_s": round(built_s, 1),
+              "weights": "loaded from disk" if args.checkpoint else "random, built on the device"}
     if args.switch_interval_us is not None:
         from server.engine import background_compile
 
         background_compile.SERVING_SWITCH_INTERVAL_S = args.switch_interval_us * 1e-6
         record["switch_interval_us"] = args.switch_interval_us
-    if args.compile_child == "off":
-        import server.engine.engine
-
-        server.engine.engine.start_compile_child = lambda engine, stages: None
     record["compile_child"] = args.compile_child
     if args.serve_path:
         if not serve_path(engine, hf_config["vocab_size"], record, args.eager_only):
