@@ -57,3 +57,50 @@ def test_a_stage_that_misses_the_cache_after_the_child_filled_it_ends_the_child(
     misses[0] += 2  # this process compiled stage two anyway
     child.loaded("two")
     assert child.wait_for("three") is False  # ended: this process compiles three itself
+
+
+def test_a_stage_traces_before_it_waits_for_the_child_and_waits_once():
+    """BackgroundCompile: each stage's graphs are traced (dynamo, up to the backend's `before_inductor`) before the
+    stage waits for the child's report; a stage's later graphs do not wait again; a stage that reaches no compile
+    does not wait at all; a compile on another thread never waits."""
+    import threading
+
+    from server.engine.background_compile import BackgroundCompile
+    from server.engine.compile_child import before_inductor
+
+    events = []
+
+    class Child:
+        def wait_for(self, what):
+            events.append(f"wait {what}")
+            return True
+
+        def loaded(self, what):
+            events.append(f"loaded {what}")
+
+        def close(self):
+            events.append("closed")
+
+    def stage(what, num_graphs):
+        def run():
+            for graph in range(num_graphs):
+                events.append(f"trace {what} {graph}")
+                before_inductor()
+        return what, run
+
+    def other_thread():
+        before_inductor()
+        events.append("other thread compiled")
+
+    def compile_on_another_thread():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+
+    stages = [stage("one", 2), ("none", compile_on_another_thread), stage("two", 1)]
+    background = BackgroundCompile(stages, "cpu", Child())
+    background.start()
+    assert background.join(30) and background.state == "ready"
+    assert events == ["trace one 0", "wait one", "trace one 1", "loaded one", "other thread compiled", "loaded none",
+                      "trace two 0", "wait two", "loaded two", "closed"]
+    before_inductor()  # outside a stage: nothing to wait for
