@@ -4,8 +4,7 @@ sampler, larger batches, prefill) on padding rows and the null block (kv_manager
 After the first stage the engine moves to the compiled runner between two steps; what a later stage covers runs
 eagerly until that stage ends. A stage that fails leaves what it covers on the eager path with one warning,
 never a crash; the stages after it still run, unless it was the first. Given a compile child (compile_child), each
-stage's graphs, once traced, wait for the child to have compiled them into the on-disk caches, so that this process
-only loads them."""
+stage first waits for the child to have compiled it into the on-disk caches, so that this process only loads it."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import sys
 import threading
 import time
 
-from server.engine.compile_child import CompileChild, compiles_wait_for
+from server.engine.compile_child import CompileChild
 from server.engine.warmup import Stage
 
 log = logging.getLogger(__name__)
@@ -56,11 +55,10 @@ class BackgroundCompile:
 
     def _run_stages(self, start: float) -> None:
         for what, run in self._stages:
-            # The stage's graphs are traced here meanwhile; then a read that holds no GIL, and a cache hit.
-            wait = None if self._child is None else (lambda what=what: self._child.wait_for(what))
+            if self._child is not None:
+                self._child.wait_for(what)  # a read that holds no GIL; then this stage is a cache hit
             try:
-                with compiles_wait_for(wait):
-                    run_stage(what, run, start)
+                run_stage(what, run, start)
                 if self._child is not None:
                     self._child.loaded(what)
             except Exception as exc:  # noqa: BLE001 - any failure: say which, and keep serving eagerly

@@ -15,35 +15,14 @@ runs; the child skips others), on its stdout `{"stages": [what, ...]}` (the stag
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import subprocess
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-_gate = threading.local()  # what this thread's compiles wait for before inductor starts (compiles_wait_for)
-
-
-@contextlib.contextmanager
-def compiles_wait_for(wait: Callable[[], object] | None) -> Iterator[None]:
-    """Within: the first compile on this thread to reach inductor (`before_inductor`) first calls `wait()`. So a
-    stage traces its graphs (dynamo, which no child can do for this process) while the child compiles them, and
-    waits only where the compiled code is wanted."""
-    _gate.wait = wait
-    try:
-        yield
-    finally:
-        _gate.wait = None
-
-
-def before_inductor() -> None:
-    """Called by the compile backend (launch_wrapper.inductor) once dynamo has traced a graph."""
-    wait, _gate.wait = getattr(_gate, "wait", None), None
-    if wait is not None:
-        wait()
 
 
 class CompileChild:
@@ -95,7 +74,7 @@ class CompileChild:
         (cache misses), the child's graphs differ from ours, and waiting for it only costs time: end it."""
         if self._misses_before is None:
             return
-        misses, self._misses_before = self._count_misses() - self._misses_before, None
+        misses = self._count_misses() - self._misses_before
         if misses > 0:
             log.info("loading %s missed the compile cache %d time(s) after the compile child filled it; this process"
                      " compiles the rest itself", what, misses)

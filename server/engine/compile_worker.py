@@ -208,20 +208,20 @@ def _under(mode, run):
 
 
 def fill_caches_on_compile() -> None:
-    """Every compiled step from now on hands its graphs to inductor, which writes its caches, and runs them as FX
+    """Every torch.compile from now on hands its graphs to inductor, which writes its caches, and runs them as FX
     code: the compiled kernels would read the fakes' (absent) data."""
     from torch._inductor.compile_fx import compile_fx
 
-    from server.engine import launch_wrapper
+    compile_ = torch.compile
 
-    def filling(options: dict | None = None):
+    def compile_filling(fn=None, *, options=None, **kwargs):
         def fill(graph_module, example_inputs):
             compile_fx(graph_module, example_inputs, config_patches=options)
             return graph_module.forward
 
-        return fill
+        return compile_(fn, backend=fill, **kwargs)
 
-    launch_wrapper.inductor = filling
+    torch.compile = compile_filling
 
 
 def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8_kept: list[str] | None):

@@ -17,25 +17,10 @@ from collections.abc import Callable
 import torch
 
 from server.engine.background_compile import describe_failure
-from server.engine.compile_child import before_inductor
 
 log = logging.getLogger(__name__)
 
 WarmUp = Callable[[Callable], None]  # runs warm-up calls (inputs safe to run twice) of the step it is given
-
-
-def inductor(options: dict | None = None):
-    """torch.compile's inductor backend with `options` (the same compile and cache keys as `backend="inductor"`),
-    which lets a background compile's stage wait for its compile child between dynamo and inductor
-    (compile_child.compiles_wait_for)."""
-
-    def backend(graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        before_inductor()
-        return compile_fx(graph_module, example_inputs, config_patches=options)
-
-    return backend
 
 
 class LaunchCompiled:
@@ -50,10 +35,10 @@ class LaunchCompiled:
 
     def __init__(self, python_fn: Callable, name: str, cpp_fn: Callable | None = None, **compile_kwargs):
         self.name = name
-        self._python_form = torch.compile(python_fn, backend=inductor(), **compile_kwargs)
+        self._python_form = torch.compile(python_fn, **compile_kwargs)
         self._cpp_form = None
         if cpp_fn is not None:
-            self._cpp_form = torch.compile(cpp_fn, backend=inductor({"cpp_wrapper": True}), **compile_kwargs)
+            self._cpp_form = torch.compile(cpp_fn, options={"cpp_wrapper": True}, **compile_kwargs)
         self.compiled = self._cpp_form or self._python_form
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once
 
