@@ -7,10 +7,11 @@ same warm-up stages and so fills inductor's on-disk caches; the serving process 
 the cold one. Whatever the child does not fill (a stage it skips or fails, or all of them when it dies) the
 serving process compiles itself, as before: the child only ever saves time.
 
-Protocol, one JSON object per line: the spec on the child's stdin (kept open: the child ends when it closes), there
-later `{"stages": [what, ...]}` where the child started before the engine existed (the stages the serving process
-runs; the child skips others), on its stdout `{"stages": [what, ...]}` (the stages it will fill, in the serving process's order), one
-`{"stage": what, "ok": bool, "seconds": s, "error": text}` per stage, and `{"failed": text}` if it cannot go on.
+Protocol, one JSON object per line. On the child's stdin (kept open: the child ends when it closes) the spec, and
+later `{"stages": [what, ...]}` where the child started before the engine existed: the stages the serving process
+runs (the child skips the others). On its stdout `{"stages": [what, ...]}` (the stages it will fill, in the
+serving process's order), one `{"stage": what, "ok": bool, "seconds": s, "error": text}` per stage, and
+`{"failed": text}` if it cannot go on.
 """
 
 from __future__ import annotations
