@@ -11,8 +11,8 @@ seconds after the weights are loaded, when one sequence's steps run compiled (th
 every stage is ready, and the decode rates on the way. Prints a JSON line at each of those points, the last one
 complete. With --checkpoint the weights stream from disk through `serve`'s loader, and the compile child starts
 before they do (`--compile-child late`: after, for comparison); seconds still count from the end of the load,
-which `build_s` times. --eager-only measures the eager decode rate before the compile starts (`eager_tok_s_alone`) and stops
-after the rate while compiling: what the compile costs the eager path.
+which `build_s` times. --eager-only measures the eager decode rate before the compile starts
+(`eager_tok_s_alone`) and stops after the rate while compiling: what the compile costs the eager path.
 """
 
 from __future__ import annotations
