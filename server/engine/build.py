@@ -76,9 +76,8 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
         num_kv_blocks = plan_num_kv_blocks(model, config, device, dtype, max_model_len)
     if agree_num_blocks is not None:
         num_kv_blocks = agree_num_blocks(num_kv_blocks)
-    specs = model.state_shapes() if hasattr(model, "state_shapes") else None
     state_cache, state_slots = state_pool(
-        specs, config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype, device
+        state_specs(model), config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype, device
     )
     # One more block than the budget's: block 0 is the scratch target of padded decode rows.
     kv_cache = KVCache(model.kv_cache_shapes(), num_kv_blocks + 1, config.block_size, dtype, device)
@@ -99,12 +98,17 @@ def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype:
                        max_model_len: int) -> int:
     """The paged KV's usable blocks for `model`, whose weights hold their device memory already (loaded or not);
     the hybrids' state pool, not yet allocated, draws from the same budget."""
-    specs = model.state_shapes() if hasattr(model, "state_shapes") else None
-    state_bytes = state_pool_bytes(specs, config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype)
+    state_bytes = state_pool_bytes(state_specs(model), config.max_num_seqs, config.enable_prefix_caching,
+                                   config.block_size, dtype)
     budget = kv_budget_bytes(config, device, state_bytes)
     # at least 1: a pipeline stage without attention layers holds no KV, only the block count every rank shares
     per_block = max(KVCache.bytes_per_block(model.kv_cache_shapes(), config.block_size, dtype), 1)
     return num_kv_blocks(budget, per_block, config.block_size, max_model_len, config.max_num_seqs)
+
+
+def state_specs(model):
+    """A hybrid's per-sequence states (StateSpec per state layer); None for attention-only models."""
+    return model.state_shapes() if hasattr(model, "state_shapes") else None
 
 
 def kv_budget_bytes(config: EngineConfig, device: torch.device, state_bytes: int) -> int:

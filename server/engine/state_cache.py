@@ -25,7 +25,7 @@ def state_pool(specs: list[StateSpec] | None, max_num_seqs: int, enable_prefix_c
     bookkeeping); (None, None) for attention-only models."""
     if specs is None:
         return None, None
-    slots = StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
+    slots = _slots(max_num_seqs, enable_prefix_caching, block_size)
     return StateCache(specs, slots.num_slots, dtype, device), slots
 
 
@@ -34,9 +34,12 @@ def state_pool_bytes(specs: list[StateSpec] | None, max_num_seqs: int, enable_pr
     """The bytes `state_pool` allocates for these arguments, without allocating them."""
     if specs is None:
         return 0
-    slots = StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
-    return sum(math.prod(shape) * (tdtype or dtype).itemsize * (slots.num_slots + 1) for spec in specs
-               for shape, tdtype in spec)
+    num_rows = _slots(max_num_seqs, enable_prefix_caching, block_size).num_slots + 1  # StateCache's, scratch too
+    return sum(math.prod(shape) * (tdtype or dtype).itemsize * num_rows for spec in specs for shape, tdtype in spec)
+
+
+def _slots(max_num_seqs: int, enable_prefix_caching: bool, block_size: int) -> StateSlots:
+    return StateSlots(max_num_seqs, max_num_seqs if enable_prefix_caching else 0, block_size)
 
 
 class StateCache:
