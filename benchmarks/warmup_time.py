@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     device, _ = device_mod.select_device("auto")
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     if args.compile_child == "off":
-        import server.engine.engine
+        import server.engine.compiled_steps
 
-        server.engine.engine.start_compile_child = lambda spec, stages: None
+        server.engine.compiled_steps.start_compile_child = lambda spec, stages: None
     start = time.perf_counter()
     config = EngineConfig(model=args.checkpoint or args.preset, device=device.type, compile="on",
                           cuda_graphs=args.graphs == "on", max_model_len=4096)

@@ -50,6 +50,6 @@ def compile_in_process(monkeypatch):
     """Background compiles run in the serving process unless a test asks for the compile child
     (tests/engine/test_compile_child.py): a child per test would double the suite's compile work, and tests that
     patch a stage in this process would wait for a child that knows nothing of the patch."""
-    import server.engine.engine
+    import server.engine.compiled_steps
 
-    monkeypatch.setattr(server.engine.engine, "start_compile_child", lambda engine, stages: None)
+    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", lambda engine, stages: None)

@@ -17,27 +17,24 @@ from __future__ import annotations
 
 import logging
 import secrets
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
 
 from server.config import EngineConfig
-from server.engine.background_compile import BackgroundCompile, describe_failure, run_stage
+from server.engine.background_compile import BackgroundCompile, describe_failure
 from server.engine.build import EngineParts, build_parts, load_pretrained
-from server.engine.compile_worker import ChildBeforeLoad, child_spec, start_compile_child
+from server.engine.compiled_steps import CompiledSteps, child_before_load
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, hidden_states, pool, read_pooling, truncate
 from server.engine.grammar import Grammars
-from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
 from server.engine.request import PLACEHOLDER, Request
-from server.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.engine.threads import apply_cpu_threads
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
@@ -50,16 +47,14 @@ from server.engine.types import (
     StepFailedError,
     StreamDelta,
 )
-from server.engine.warmup import WARM_UP_PARAMS, PrefillForms, Stage, prefill_warm_up_runs, warm_up_stages
 from server.engine.weights import persistent_tensors, resolve_model_path
-from server.kernels import compat
 from server.kernels.capabilities import REPORT_HINT
 from server.models.tracing_shield import shield_from_tracing
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(CompiledSteps):
     def __init__(self, model, tokenizer: Tokenizer | None, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, model_name: str, parts: EngineParts | None = None, pooling: Pooling | None = None):
         shield_from_tracing(model)  # eager steps may run while a background compile traces the model
@@ -109,7 +104,7 @@ class Engine:
             from server.engine.distributed import BuildSpec, start_engine  # it builds Engines: imported late
 
             return start_engine(BuildSpec(config))
-        early = ChildBeforeLoad(config, start_compile_child) if compile_beside_serving else None
+        early = child_before_load(config) if compile_beside_serving else None
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)
         pooling = None if config.model == "demo" else read_pooling(resolve_model_path(config.model, config.revision))
         parts = build_parts(model, config, device, dtype, max_model_len,
@@ -123,71 +118,6 @@ class Engine:
         """Bytes of all weights on the device: parameters and persistent buffers (FP8 weights and their
         scales, expert biases), each shared tensor once; not derived tables such as RoPE frequencies."""
         return sum(t.numel() * t.element_size() for t in persistent_tensors(self.model).values())
-
-    @property
-    def compile_state(self) -> str:
-        """One of types.COMPILE_STATES."""
-        if self._compile_failed:
-            return "failed"
-        if self._background is not None:
-            return self._background.state
-        if self.runner.decode_graphs is None and not self.compile_prefill:
-            return "off"
-        return "ready" if self._warmed_up else "lazy"
-
-    def compile_in_background(self) -> BackgroundCompile | None:
-        """Serve on the eager path now and warm the compiled steps up on a thread of their own; the engine moves
-        to them between two steps, stage by stage (warmup.warm_up_stages), with the same tokens. None when
-        nothing is to compile."""
-        child, self._early_child = self._early_child, None
-        if self.compile_state != "lazy":
-            if child is not None:
-                child.close()
-            return None
-        compiled = self._compiled_runner = self.runner
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        stages = self._warm_up_stages(compiled, beside_serving=True)
-        if child is None:
-            spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
-                              self.kv_cache.num_blocks - 1)
-            child = start_compile_child(spec, [what for what, _ in stages])
-        else:
-            child.want([what for what, _ in stages])
-        self._background = BackgroundCompile(stages, str(self.device), child)
-        compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
-        self._background.start()
-        return self._background
-
-    def _warm_up_stages(self, runner: ModelRunner, beside_serving: bool = False) -> list[Stage]:
-        warm_prefill = partial(self._warm_prefill, runner.decode_graphs is None) if self.compile_prefill else None
-        return warm_up_stages(runner, self.kv_manager.num_usable_blocks, warm_prefill, beside_serving)
-
-    def _warm_prefill(self, decode_through_prefill: bool, compiled_forward) -> None:
-        """Compile the prefill forms through a shadow engine: the same model and caches, `compiled_forward`, no
-        decode graphs (so no write to the ids the serving steps feed from), every block the null block."""
-        runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        runner.forward_steps = compiled_forward if decode_through_prefill else PrefillForms(compiled_forward, self.model)
-        scratch = self.state_cache.scratch_slot if self.state_cache is not None else None
-        null_blocks = NullBlocks(self.kv_manager.block_size, self.kv_manager.num_usable_blocks, scratch)
-        parts = EngineParts(self.kv_cache, self.state_cache, null_blocks, Scheduler(self.scheduler.config, null_blocks),
-                            runner, True)
-        shadow = Engine(self.model, None, self.config, self.device, self.dtype, self.max_model_len, self.model_name,
-                        parts)
-        runs = prefill_warm_up_runs(decode_through_prefill, self.state_cache is not None, self.vocab_size,
-                                    self.config.max_num_batched_tokens, self.max_model_len)
-        shadow._warming_up = True
-        try:
-            for prompts in runs:
-                shadow.run_to_completion([shadow.make_request(p, replace(WARM_UP_PARAMS)) for p in prompts])
-        except StepFailedError as exc:  # the caller reports the compile failure itself, not the lost step
-            raise (exc.__cause__ or exc) from None
-
-    def _move_to_compiled_runner(self) -> None:
-        """Between two steps: the compiled decode step feeds the ids of the step in flight from its own buffer."""
-        compiled, in_flight = self._compiled_runner, self._in_flight
-        if in_flight is not None and in_flight.token_ids is not None and compiled.decode_graphs is not None:
-            compiled.decode_graphs.last_token_ids[: in_flight.token_ids.shape[0]].copy_(in_flight.token_ids)
-        self.runner = compiled
 
     # ---- requests -----------------------------------------------------------------------------
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> Request:
@@ -401,18 +331,6 @@ class Engine:
             for delta in self.step():
                 deltas[delta.request_id].append(delta)
         return [final_output(r, deltas[r.request_id]) for r in requests]
-
-    def warm_up(self) -> float:
-        """Compile (and capture) the compiled steps before serving, so that no request waits for them; returns
-        the seconds taken. The stages of warmup.warm_up_stages, in order. A no-op when nothing is compiled (the
-        CPU default)."""
-        if self.runner.decode_graphs is None and not self.compile_prefill:
-            return 0.0
-        start = time.perf_counter()
-        for what, run in self._warm_up_stages(self.runner):
-            run_stage(what, run, start)
-        self._warmed_up = True
-        return time.perf_counter() - start
 
     def embed(self, prompts: Sequence[str | Sequence[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Pooled embedding of each prompt (text or token ids), truncated to `dimensions` if given; -> (vectors,

@@ -11,7 +11,7 @@ import pytest
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-import server.engine.engine
+import server.engine.compiled_steps
 from server.config import EngineConfig
 from server.engine import compile_worker
 from server.engine.engine import Engine
@@ -27,14 +27,14 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def with_child(monkeypatch, tmp_path):
     """The compile child on, in a cache directory of this test's own (the child inherits the environment)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(server.engine.engine, "start_compile_child", compile_worker.start_compile_child)
+    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", compile_worker.start_compile_child)
     keep_stages(monkeypatch, lambda what: "C++" not in what)  # minutes to build on the CPU
 
 
 def keep_stages(monkeypatch, keep) -> None:
     """Only the warm-up stages `keep(what)` accepts; the child is not asked for the others either."""
-    stages = server.engine.engine.warm_up_stages
-    monkeypatch.setattr(server.engine.engine, "warm_up_stages",
+    stages = server.engine.compiled_steps.warm_up_stages
+    monkeypatch.setattr(server.engine.compiled_steps, "warm_up_stages",
                         lambda *args: [stage for stage in stages(*args) if keep(stage[0])])
 
 
@@ -83,7 +83,7 @@ def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_check
                                                                      monkeypatch):
     path, _ = tiny_checkpoint("llama")
     keep_stages(monkeypatch, lambda what: what == "the decode step of one sequence")
-    monkeypatch.setattr(server.engine.engine, "start_compile_child",  # a model the child cannot build
+    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child",  # a model the child cannot build
                         lambda spec, stages: compile_worker.start_compile_child(
                             {**spec, "hf_config": {"model_type": "no_such_model"}}, stages))
     prompts = [random_ids(7, 1)]
@@ -174,7 +174,7 @@ def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it
         started.append((spec, stages, len(weights_read)))
         return Child()
 
-    monkeypatch.setattr(server.engine.engine, "start_compile_child", start)
+    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", start)
     kw = dict(ENGINE_KW, kv_cache_memory_bytes=100_000)  # a budget-limited count
     engine = Engine.from_config(EngineConfig(model=str(path), **kw, compile="on"), compile_beside_serving=True)
     (spec, stages, num_read), = started
