@@ -25,16 +25,21 @@ from server.config import EngineConfig
 from server.engine.compile_child import CompileChild
 from server.engine.warmup import HOST_READING_STAGES
 
+STAGE_LIST = "the twin's stages"  # filled_marker's name for the list of them
+
 log = logging.getLogger(__name__)
 
 
 def start_compile_child(spec: dict | None, stages: list[str] | None) -> CompileChild | None:
     """A child that fills the compile cache for those of the engine's warm-up stages named in `stages` that the
-    cache lacks (None: all of them; the child names them once it has built the twin). None where `spec` is (the
-    engine has no twin: a parallel or a hand-built model) or where the cache holds all of `stages` (a warm
-    start: loading them here is quicker than waiting for a child to find them)."""
+    cache lacks (None: all of them, as a child's twin listed them before, or as the child names them once it has
+    built the twin). None where `spec` is (the engine has no twin: a parallel or a hand-built model) or where the
+    cache holds all of `stages` (a warm start: loading them here is quicker than waiting for a child to find
+    them)."""
     if spec is None:
         return None
+    if stages is None:  # before the engine exists: the stages a twin of it listed before, if one did
+        stages = twin_stage_names(spec)
     spec = dict(spec, stages=None if stages is None else stages_to_fill(spec, stages))
     if spec["stages"] == []:
         log.info("the compile cache holds this model's steps (%s): loading them in this process",
@@ -50,6 +55,14 @@ def stages_to_fill(spec: dict, stages: list[str]) -> list[str]:
     """Those of `stages` a child can fill and the cache lacks: not the ones reading ids on the host, not the ones
     a child filled for this same engine before."""
     return [what for what in stages if what not in HOST_READING_STAGES and not filled_marker(spec, what).exists()]
+
+
+def twin_stage_names(spec: dict) -> list[str] | None:
+    """The warm-up stages a child's twin of this engine listed, None where no child built that twin yet."""
+    try:
+        return json.loads(filled_marker(spec, STAGE_LIST).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def count_cache_misses() -> int:
@@ -137,12 +150,13 @@ def main() -> int:
         protocol.write(json.dumps(message) + "\n")
 
     try:
-        stages = twin_stages(spec)
+        names, stages = twin_stages(spec)
     except Exception as exc:  # noqa: BLE001 - the serving process compiles instead
         log.exception("building the engine's twin failed")
         say(failed=f"{type(exc).__name__}: {exc}"[:300])
         return 1
     say(stages=[what for what, _ in stages])
+    write_marker(spec, STAGE_LIST, names)
     for what, run in stages:  # none where a child before us filled them all
         if "stages" in wanted and what not in wanted["stages"]:
             continue  # the serving process does not run it
@@ -153,11 +167,15 @@ def main() -> int:
             log.exception("compiling %s failed", what)
             say(stage=what, ok=False, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
             continue
-        marker = filled_marker(spec, what)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps([spec, what], sort_keys=True))
+        write_marker(spec, what, [spec, what])
         say(stage=what, ok=True, seconds=round(time.perf_counter() - start, 1))
     return 0
+
+
+def write_marker(spec: dict, what: str, content) -> None:
+    marker = filled_marker(spec, what)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(content, sort_keys=True))
 
 
 def _read_parent(wanted: dict[str, set[str]]) -> None:
@@ -169,8 +187,9 @@ def _read_parent(wanted: dict[str, set[str]]) -> None:
     os._exit(0)
 
 
-def twin_stages(spec: dict) -> list:
-    """The warm-up stages `spec` names of the engine it describes, on fakes."""
+def twin_stages(spec: dict) -> tuple[list[str], list]:
+    """The names of all warm-up stages of the engine `spec` describes, and those of them `spec` names, on
+    fakes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from server.engine.build import build_parts
@@ -195,8 +214,9 @@ def twin_stages(spec: dict) -> list:
     graphs = engine.runner.decode_graphs
     if graphs is not None:
         graphs.use_graphs = False  # compile what the server captures, without a capture (no real tensors here)
-    wanted = spec["stages"] if spec["stages"] is not None else stages_to_fill(spec, [what for what, _ in stages])
-    return [(what, _under(fake_mode, run)) for what, run in stages if what in wanted]
+    names = [what for what, _ in stages]
+    wanted = spec["stages"] if spec["stages"] is not None else stages_to_fill(spec, names)
+    return names, [(what, _under(fake_mode, run)) for what, run in stages if what in wanted]
 
 
 def _under(mode, run):

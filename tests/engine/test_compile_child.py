@@ -118,7 +118,8 @@ def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path):
 
 def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, with_child, monkeypatch):
     """Each stage the child fills leaves a marker keyed by the engine's whole description; a start asks the child
-    for the others only, and starts none when the cache holds them all. Prefill (whole requests) is never asked."""
+    for the others only, and starts none when the cache holds them all (also before the engine exists, once a
+    child's twin listed them). Prefill (whole requests) is never asked."""
     path, _ = tiny_checkpoint("llama")
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     started = []
@@ -136,6 +137,10 @@ def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, w
     assert started.pop()["stages"] is None and compile_worker.stages_to_fill(spec, stages) == stages[1:2]
     compile_worker.filled_marker(spec, stages[1]).write_text("filled")
     assert compile_worker.start_compile_child(spec_of(engine), stages) is None
+    compile_worker.start_compile_child(spec_of(engine), None)  # no twin listed its stages yet: one starts
+    assert started.pop()["stages"] is None
+    compile_worker.write_marker(spec, compile_worker.STAGE_LIST, stages)  # as a child's twin does
+    assert compile_worker.start_compile_child(spec_of(engine), None) is None and not started
     other = Engine.from_pretrained(str(path), **{**ENGINE_KW, "max_num_seqs": 4}, compile="on")  # other graphs
     compile_worker.start_compile_child(spec_of(other), stages)
     assert started.pop()["stages"] == stages[:2]
