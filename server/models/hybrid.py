@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
     Qwen3-Next's grouped `in_proj_qkvz` / `in_proj_ba` are un-grouped to the same rows while loading
     (`split_grouped_projections`)."""
 
-    traces_whole = False  # the chunked prefill carries its state across chunks eagerly (a graph break)
+    traces_whole = False  # the chunked prefill carries its state across chunks eagerly (a graph break; decode has none)
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int, kernel_size: int, eps: float):
         super().__init__()

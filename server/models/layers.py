@@ -7,6 +7,8 @@ Attribute names follow Hugging Face so weight loading is an identity map plus th
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -216,8 +218,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, rope, meta, cache):
         """A layer that traces whole runs as a region compiled once for every layer, unless the step traces its
-        layers inline (`meta.layers_inline`: a trace-time constant, so the two forms share no guard)."""
-        if self.traces_whole and not meta.layers_inline:
+        layers inline (`meta.layers_inline`: a trace-time constant, so the two forms share no guard). A mixer's
+        graph break (`traces_whole = False`) is in its multi-token form: every layer traces whole in decode."""
+        if (self.traces_whole or meta.is_decode) and not meta.layers_inline:
             return _layer_region(self, x, rope, meta, cache)
         return _layer_forward(self, x, rope, meta, cache, fuse_top_k=False)
 
@@ -237,8 +240,15 @@ def _region_forward(layer: DecoderLayer, x, rope, meta, cache):
 # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
 # compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours are the
 # residual add before it and the next norm's reduction after it. A region must trace whole: a mixer with a
-# deliberate graph break (traces_whole = False) runs its layers inline.
+# deliberate graph break (traces_whole = False) runs its layers inline outside the decode step.
 _layer_region = compat.compile_region(_region_forward)
+
+
+def layer_metadata(meta: AttentionMetadata) -> AttentionMetadata:
+    """What a layer sees of the step's metadata: not every state layer's caches, one of which is its own `cache`
+    argument. Gated DeltaNet layers compiled as one region, each given its own state twice (there and in the
+    metadata), decoded wrong tokens."""
+    return meta if meta.state_caches is None else dataclasses.replace(meta, state_caches=None)
 
 
 class DecoderStack(nn.Module):
@@ -272,8 +282,9 @@ class DecoderStack(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
+        state_caches, meta = meta.state_caches, layer_metadata(meta)
         for layer, layer_type, index in zip(self.layers, self.layer_types, self.cache_index, strict=True):
-            cache = kv_caches[index] if layer_type == ATTENTION else meta.state_caches[index]
+            cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
             x = layer(x, rope, meta, cache)
         return getattr(self, self.final_norm_name)(x)  # [num_tokens, hidden]
 

@@ -37,7 +37,7 @@ from server.models.hybrid import (
     ShortConv,
     SigmoidBiasMoE,
 )
-from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, SoftmaxMoE
+from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, SoftmaxMoE, layer_metadata
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -373,8 +373,9 @@ class PipelineStack(nn.Module):
         else:
             x = recv((input_ids.shape[0], self.hidden_size), dtype, input_ids.device, rank - 1, group)
         rope = self.rotary_emb(positions, dtype)
+        state_caches, meta = meta.state_caches, layer_metadata(meta)
         for layer, layer_type, index in zip(self.layers, self.layer_types, self.cache_index, strict=True):
-            cache = kv_caches[index] if layer_type == ATTENTION else meta.state_caches[index]
+            cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
             x = layer(x, rope, meta, cache)
         send(x, (rank + 1) % size, group)
         if rank != 0:

@@ -24,6 +24,7 @@ from tests.helpers import ENGINE_KW, random_ids
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="inductor needs a C compiler on the CPU")
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+HYBRIDS = ("qwen3_5_moe_text", "lfm2_moe")
 
 
 def eager_tokens(path, prompts):
@@ -32,18 +33,18 @@ def eager_tokens(path, prompts):
     return [o.token_ids for o in eager.generate(prompts, PARAMS)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_5_moe_text", "lfm2_moe"])
 def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch, tiny_checkpoint, hybrid_checkpoint,
                                                                           monkeypatch):
     """The hybrid's warm-up runs read and write only the scratch state slot, so the sequences served meanwhile
     keep theirs."""
-    path, _ = (hybrid_checkpoint if arch.startswith("qwen3_5") else tiny_checkpoint)(arch)
+    path, _ = (hybrid_checkpoint if arch in HYBRIDS else tiny_checkpoint)(arch)
     prompts = [random_ids(n, n + 1) for n in (5, 13)]
     expected = eager_tokens(path, prompts)
     gate = threading.Event()
     warm = DecodeGraphs.warm
     monkeypatch.setattr(DecodeGraphs, "warm", lambda self, *args: gate.wait(120) and warm(self, *args))  # held
-    if arch.startswith("qwen3_5"):  # its C++ form, minutes to build on the CPU, is test_hybrid_parity's
+    if arch in HYBRIDS:  # its C++ form, minutes to build on the CPU, is test_hybrid_parity's
         monkeypatch.setattr(ModelRunner, "build_cpp_forms", lambda self: None)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert engine.compile_state == "lazy"

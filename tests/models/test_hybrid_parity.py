@@ -8,6 +8,7 @@ import copy
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from server.engine.model_runner import KVCache
 from server.engine.state_cache import StateSlots
 from server.engine.types import SamplingParams
+from server.models import layers as layers_mod
 from tests.helpers import hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
 
@@ -269,7 +271,8 @@ def test_state_snapshot_is_published_only_once_its_copy_is_launched():
 
 @pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text"])
 def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_checkpoint, monkeypatch):
-    """State layers (a graph break in the mixer) compile inline, where a fused top-k would be generated per layer."""
+    """Gated DeltaNet layers (a graph break in the chunked prefill) compile inline in prefill, where a fused top-k
+    would be generated per layer; in the decode step (no break) every layer is a region, and fuses it."""
     from server.kernels import moe
 
     fused = []  # the `fuse` each router call was given, in call order
@@ -283,3 +286,15 @@ def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_c
               if getattr(getattr(layer, layer.names[3]), "routes_top_k", False)]
     assert layers and fused == [layer.traces_whole for layer in layers]
     assert set(fused) == ({True} if arch == "lfm2_moe" else {True, False})
+    paths = []  # how each decoder layer runs: as a region (compiled once for all layers) or inline
+    monkeypatch.setattr(layers_mod, "_layer_region", lambda *args: paths.append("region"))
+    monkeypatch.setattr(layers_mod, "_layer_forward", lambda *args, **kwargs: paths.append("inline"))
+    all_layers = engine.model.model.layers
+    for is_decode, layers_inline, expected in (
+            (False, False, ["region" if layer.traces_whole else "inline" for layer in all_layers]),
+            (True, False, ["region"] * len(all_layers)),  # no graph break in a decode step
+            (True, True, ["inline"] * len(all_layers))):
+        paths.clear()
+        for layer in all_layers:
+            layer(None, None, SimpleNamespace(is_decode=is_decode, layers_inline=layers_inline), None)
+        assert paths == expected
