@@ -25,7 +25,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -258,3 +258,55 @@ def decode_lengths(num_decode_tokens: int) -> tuple[int, int]:
         raise ValueError(f"--decode-tokens must be at least 2 (the steady rate needs two lengths), "
                          f"got {num_decode_tokens}")
     return 1 + num_decode_tokens // 2, 1 + num_decode_tokens
+
+
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+@dataclass
+class Series:
+    """One side's measurements: batch size -> rates, and the long run's greedy tokens of sequence 0."""
+
+    rates: dict[int, Rates] = field(default_factory=dict)
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    modes: dict[int, str] = field(default_factory=dict)
+    kernels: dict[int, int | None] = field(default_factory=dict)  # device kernels of one steady decode step
+    notes: list[str] = field(default_factory=list)
+
+
+def measure_series(series: Series, side: str, generate: GenerateFn, device, batch: list[list[int]],
+                   lengths: tuple[int, int], reps: int, progress) -> None:
+    """Warm-up call at the long length (compile, graphs), then `reps` x (1, n_short, n_long) new tokens; best times."""
+    n_short, n_long = lengths
+    batch_size = len(batch)
+
+    def call(num_new: int, what: str) -> tuple[float, list[list[int]]]:
+        progress.set_description(f"{side} B={batch_size}: {what}")
+        seconds, tokens = timed(lambda: generate(batch, num_new), device)
+        if any(len(t) != num_new for t in tokens):
+            raise RuntimeError(f"{side} returned {[len(t) for t in tokens]} tokens, asked for {num_new} per sequence")
+        progress.update()
+        return seconds, tokens
+
+    progress.write(f"{side} B={batch_size}: first call of {n_long} tokens (compile / warm-up) ...")
+    t_first, _ = call(n_long, "first call (compile / warm-up)")
+    best = {1: float("inf"), n_short: float("inf"), n_long: float("inf")}
+    long_tokens: list[list[int]] = []
+    for rep in range(reps):
+        for num_new in (1, n_short, n_long):
+            seconds, tokens = call(num_new, f"{num_new} tokens, rep {rep + 1}/{reps}")
+            best[num_new] = min(best[num_new], seconds)
+            if num_new == n_long:
+                long_tokens = tokens
+    rates = Rates(batch_size, len(batch[0]), n_short, n_long, t_first, best[1], best[n_short], best[n_long])
+    if rates.t_long <= rates.t_short:
+        progress.write(f"{side} B={batch_size}: WARNING {n_long} tokens took no longer than {n_short}: timing noise "
+                       "dominates; raise --decode-tokens or --reps")
+    series.rates[batch_size], series.tokens[batch_size] = rates, long_tokens[0]
+    progress.write(f"{side} B={batch_size}: decode {rates.decode_tok_s:.1f} tok/s ({rates.step_s * 1e3:.2f} ms/step), "
+                   f"prefill {rates.prefill_tok_s:.0f} tok/s, first call {t_first:.1f} s")
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""

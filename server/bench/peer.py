@@ -13,11 +13,15 @@ import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from server.bench.run import Target
+
+from server.bench.measure import Rates, Series, first_line, measure_series, total_weight_bytes
 from server.bench.random_model import copy_our_weights_into
 
 log = logging.getLogger(__name__)
@@ -122,3 +126,80 @@ def transformers_version() -> str | None:
     except ImportError:
         return None
     return transformers.__version__
+
+
+def peer_series(opts, target: Target, device, dtype, prompts, lengths, is_moe: bool, progress) -> Series:
+    series = Series()
+    progress.set_description("peer: building transformers model")
+    too_big = _peer_does_not_fit(target, device, dtype)
+    if too_big:
+        series.notes.append(too_big)
+        progress.write(too_big)
+        return series
+    try:
+        if target.model_dir is not None:
+            model = build_peer_from_checkpoint(target.model_dir, device, dtype)
+        else:
+            model = build_peer_from_preset(target.hf_config, device, dtype, opts.seed)
+    except Exception as exc:  # report what we measured of ours even when transformers cannot run the model
+        series.notes.append(f"transformers could not build the model: {type(exc).__name__}: {exc}")
+        progress.write(series.notes[-1])
+        return series
+    if opts.quantize != ("none",):
+        series.notes.append(f"the peer runs unquantized {str(dtype).removeprefix('torch.')}")
+    max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
+    modes = best_modes(device, is_moe, opts.peer_experts)
+    peer = TransformersPeer(model, modes[0], max_len)
+    for batch in prompts.values():
+        try:
+            modes = _measure_peer_batch(series, peer, modes, is_moe, device, batch, lengths, opts.reps, progress)
+        except Exception as exc:  # e.g. out of memory at a large batch: keep the other batch sizes
+            series.notes.append(f"transformers failed at batch {len(batch)}: {type(exc).__name__}: {first_line(exc)}")
+            progress.write(series.notes[-1])
+    return series
+
+
+def _peer_does_not_fit(target: Target, device, dtype) -> str | None:
+    """Why transformers' unquantized model cannot be built on this device, or None (checked up front: an 80B
+    model's out-of-memory error takes a minute to reach)."""
+    if device.type != "cuda":
+        return None
+    from server.bench.random_model import empty_model
+
+    needed = total_weight_bytes(empty_model(target.hf_config, "meta", dtype))
+    free, _total = torch.cuda.mem_get_info(device)
+    if needed <= 0.95 * free:
+        return None
+    return (f"transformers not measured: its {str(dtype).removeprefix('torch.')} weights need "
+            f"{needed / 1e9:.1f} GB and the device has {free / 1e9:.1f} GB free (one GPU; transformers would need "
+            "a device_map over several)")
+
+
+def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps,
+                        progress) -> list:
+    """Measure each candidate mode at this batch size and keep the fastest; returns the modes still usable."""
+    best: tuple[Rates, list[int], str] | None = None
+    for mode in list(modes):
+        peer.set_mode(mode)
+        trial = Series()
+        try:
+            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
+        except Exception as exc:
+            if not mode.static_compile:
+                raise
+            series.notes.append(f"compile failed ({type(exc).__name__}: {first_line(exc)}); measured eager")
+            progress.write(f"transformers: {series.notes[-1]}")
+            torch.compiler.reset()
+            modes = [PeerMode(False, mode.keep_grouped_experts)]
+            peer.set_mode(modes[0])
+            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
+        rates = trial.rates[len(batch)]
+        if best is None or rates.decode_tok_s > best[0].decode_tok_s:
+            described = peer.mode.describe(is_moe)
+            if peer.mode.static_compile and peer.compiled is False:
+                described += " (transformers did not compile it)"
+            best = (rates, trial.tokens[len(batch)], described)
+        if not peer.mode.static_compile and mode.static_compile:
+            break  # compiling failed: the other candidate modes would compile too
+    series.rates[len(batch)], series.tokens[len(batch)], series.modes[len(batch)] = best
+    return modes

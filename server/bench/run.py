@@ -11,7 +11,6 @@ import gc
 import logging
 import platform
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,9 +32,6 @@ from server.engine import device as device_mod
 
 log = logging.getLogger(__name__)
 
-GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
-
-
 @dataclass
 class Target:
     """What is measured: a preset (random weights) or a checkpoint."""
@@ -44,17 +40,6 @@ class Target:
     hf_config: dict[str, Any]
     model_dir: Path | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class Series:
-    """One side's measurements: batch size -> rates, and the long run's greedy tokens of sequence 0."""
-
-    rates: dict[int, measure.Rates] = field(default_factory=dict)
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    modes: dict[int, str] = field(default_factory=dict)
-    kernels: dict[int, int | None] = field(default_factory=dict)  # device kernels of one steady decode step
-    notes: list[str] = field(default_factory=list)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -96,7 +81,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     release(device)  # hand the copy buffers back before the model is built
     calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
     sides = len(opts.quantize) * len(opts.graphs) + (1 if opts.compare else 0)
-    ours: dict[tuple[str, bool | None], tuple[Series, Any, dict]] = {}
+    ours: dict[tuple[str, bool | None], tuple[measure.Series, Any, dict]] = {}
     with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
         progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
         for quantize in opts.quantize:
@@ -107,7 +92,9 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
         peer = None
         if opts.compare:
             is_moe = next(iter(ours.values()))[1].num_experts > 0
-            peer = measure_peer(opts, target, device, dtype, prompts, (n_short, n_long), is_moe, progress)
+            from server.bench.peer import peer_series  # transformers' side: imported when compared
+
+            peer = peer_series(opts, target, device, dtype, prompts, (n_short, n_long), is_moe, progress)
         release(device)
     common = {
         "preset": target.name, "model_type": target.hf_config["model_type"], "device": device.type,
@@ -132,7 +119,7 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     return records
 
 
-def build_record(common: dict, batch_size: int, ours: Series, peer: Series | None, weights, peer_weights,
+def build_record(common: dict, batch_size: int, ours: measure.Series, peer: measure.Series | None, weights, peer_weights,
                  copy_gb_s: float) -> dict:
     record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
@@ -158,7 +145,7 @@ def build_record(common: dict, batch_size: int, ours: Series, peer: Series | Non
 
 
 def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, device, dtype, prompts, lengths,
-                 progress) -> tuple[Series, Any, dict]:
+                 progress) -> tuple[measure.Series, Any, dict]:
     from server.engine.types import SamplingParams
 
     side = " ".join(["ours", *([quantize] if quantize != "none" else []), *(["no graphs"] if graphs is False else [])])
@@ -183,9 +170,9 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
         params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
         return [out.token_ids for out in engine.generate(batch, params)]
 
-    series = Series()
+    series = measure.Series()
     for batch in prompts.values():
-        measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
+        measure.measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
     for batch in prompts.values():  # after all of this engine's timed calls: no profiler runs before one
         series.kernels[len(batch)] = _try_count_kernels(engine, batch, device, side, progress)
     info["kernel_launch"] = engine.runner.kernel_launch  # after the calls: a failed C++ build has fallen back by now
@@ -197,7 +184,7 @@ def _try_count_kernels(engine, batch: list[list[int]], device, side: str, progre
     try:
         num_kernels = decode_step_kernels(engine, batch, device)
     except Exception as exc:
-        progress.write(f"{side} B={len(batch)}: kernels per step not counted: {type(exc).__name__}: {_first_line(exc)}")
+        progress.write(f"{side} B={len(batch)}: kernels per step not counted: {type(exc).__name__}: {measure.first_line(exc)}")
         return None
     method = measure.kernels_counted_by(device)
     progress.write(f"{side} B={len(batch)}: {num_kernels} kernels per decode step ({method})")
@@ -271,125 +258,6 @@ def engine_config(opts, quantize: str, graphs: bool | None, target: Target, devi
     if graphs is not None:
         settings["cuda_graphs"] = graphs
     return dataclasses.replace(base, **settings)
-
-
-def measure_peer(opts, target: Target, device, dtype, prompts, lengths, is_moe: bool, progress) -> Series:
-    from server.bench import peer as peer_mod
-
-    series = Series()
-    progress.set_description("peer: building transformers model")
-    too_big = _peer_does_not_fit(target, device, dtype)
-    if too_big:
-        series.notes.append(too_big)
-        progress.write(too_big)
-        return series
-    try:
-        if target.model_dir is not None:
-            model = peer_mod.build_peer_from_checkpoint(target.model_dir, device, dtype)
-        else:
-            model = peer_mod.build_peer_from_preset(target.hf_config, device, dtype, opts.seed)
-    except Exception as exc:  # report what we measured of ours even when transformers cannot run the model
-        series.notes.append(f"transformers could not build the model: {type(exc).__name__}: {exc}")
-        progress.write(series.notes[-1])
-        return series
-    if opts.quantize != ("none",):
-        series.notes.append(f"the peer runs unquantized {str(dtype).removeprefix('torch.')}")
-    max_len = max(len(p[0]) for p in prompts.values()) + lengths[1] + 1
-    modes = peer_mod.best_modes(device, is_moe, opts.peer_experts)
-    peer = peer_mod.TransformersPeer(model, modes[0], max_len)
-    for batch in prompts.values():
-        try:
-            modes = _measure_peer_batch(series, peer, modes, is_moe, device, batch, lengths, opts.reps, progress)
-        except Exception as exc:  # e.g. out of memory at a large batch: keep the other batch sizes
-            series.notes.append(f"transformers failed at batch {len(batch)}: {type(exc).__name__}: {_first_line(exc)}")
-            progress.write(series.notes[-1])
-    return series
-
-
-def _peer_does_not_fit(target: Target, device, dtype) -> str | None:
-    """Why transformers' unquantized model cannot be built on this device, or None (checked up front: an 80B
-    model's out-of-memory error takes a minute to reach)."""
-    if device.type != "cuda":
-        return None
-    from server.bench.random_model import empty_model
-
-    needed = measure.total_weight_bytes(empty_model(target.hf_config, "meta", dtype))
-    free, _total = torch.cuda.mem_get_info(device)
-    if needed <= 0.95 * free:
-        return None
-    return (f"transformers not measured: its {str(dtype).removeprefix('torch.')} weights need "
-            f"{needed / 1e9:.1f} GB and the device has {free / 1e9:.1f} GB free (one GPU; transformers would need "
-            "a device_map over several)")
-
-
-def _measure_peer_batch(series: Series, peer, modes: list, is_moe: bool, device, batch, lengths, reps,
-                        progress) -> list:
-    """Measure each candidate mode at this batch size and keep the fastest; returns the modes still usable."""
-    from server.bench.peer import PeerMode
-
-    best: tuple[measure.Rates, list[int], str] | None = None
-    for mode in list(modes):
-        peer.set_mode(mode)
-        trial = Series()
-        try:
-            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
-        except Exception as exc:
-            if not mode.static_compile:
-                raise
-            series.notes.append(f"compile failed ({type(exc).__name__}: {_first_line(exc)}); measured eager")
-            progress.write(f"transformers: {series.notes[-1]}")
-            torch.compiler.reset()
-            modes = [PeerMode(False, mode.keep_grouped_experts)]
-            peer.set_mode(modes[0])
-            measure_series(trial, "peer", peer.generate, device, batch, lengths, reps, progress)
-        rates = trial.rates[len(batch)]
-        if best is None or rates.decode_tok_s > best[0].decode_tok_s:
-            described = peer.mode.describe(is_moe)
-            if peer.mode.static_compile and peer.compiled is False:
-                described += " (transformers did not compile it)"
-            best = (rates, trial.tokens[len(batch)], described)
-        if not peer.mode.static_compile and mode.static_compile:
-            break  # compiling failed: the other candidate modes would compile too
-    series.rates[len(batch)], series.tokens[len(batch)], series.modes[len(batch)] = best
-    return modes
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else ""
-
-
-def measure_series(series: Series, side: str, generate: GenerateFn, device, batch: list[list[int]],
-                   lengths: tuple[int, int], reps: int, progress) -> None:
-    """Warm-up call at the long length (compile, graphs), then `reps` x (1, n_short, n_long) new tokens; best times."""
-    n_short, n_long = lengths
-    batch_size = len(batch)
-
-    def call(num_new: int, what: str) -> tuple[float, list[list[int]]]:
-        progress.set_description(f"{side} B={batch_size}: {what}")
-        seconds, tokens = measure.timed(lambda: generate(batch, num_new), device)
-        if any(len(t) != num_new for t in tokens):
-            raise RuntimeError(f"{side} returned {[len(t) for t in tokens]} tokens, asked for {num_new} per sequence")
-        progress.update()
-        return seconds, tokens
-
-    progress.write(f"{side} B={batch_size}: first call of {n_long} tokens (compile / warm-up) ...")
-    t_first, _ = call(n_long, "first call (compile / warm-up)")
-    best = {1: float("inf"), n_short: float("inf"), n_long: float("inf")}
-    long_tokens: list[list[int]] = []
-    for rep in range(reps):
-        for num_new in (1, n_short, n_long):
-            seconds, tokens = call(num_new, f"{num_new} tokens, rep {rep + 1}/{reps}")
-            best[num_new] = min(best[num_new], seconds)
-            if num_new == n_long:
-                long_tokens = tokens
-    rates = measure.Rates(batch_size, len(batch[0]), n_short, n_long, t_first, best[1], best[n_short], best[n_long])
-    if rates.t_long <= rates.t_short:
-        progress.write(f"{side} B={batch_size}: WARNING {n_long} tokens took no longer than {n_short}: timing noise "
-                       "dominates; raise --decode-tokens or --reps")
-    series.rates[batch_size], series.tokens[batch_size] = rates, long_tokens[0]
-    progress.write(f"{side} B={batch_size}: decode {rates.decode_tok_s:.1f} tok/s ({rates.step_s * 1e3:.2f} ms/step), "
-                   f"prefill {rates.prefill_tok_s:.0f} tok/s, first call {t_first:.1f} s")
 
 
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
