@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
 
 def _private(name: str, private: bool | None) -> bool:
@@ -85,14 +84,6 @@ def compile_region(fn):
     sizes (2.13+); older releases turn every dynamic size inside the region into an unbacked one, on which a
     layer's shape-dependent branches cannot be traced, so there `fn` is compiled inline, as one graph."""
     return torch.compiler.nested_compile_region(fn) if regions_compile_once() else fn
-
-
-def region_argument(cls):
-    """Register a dataclass that compile_region's functions take as a pytree node: dynamo then traces a region
-    once and stamps the same subgraph out for every later call whose inputs match, where an argument it cannot
-    flatten makes it trace every call again (most of a warm start's time, whose compiled code is cached)."""
-    pytree.register_dataclass(cls)
-    return cls
 
 
 def regions_compile_once() -> bool:

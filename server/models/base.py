@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from server.kernels import compat
 from server.kernels.flex_decode import decode_block_mask
 from server.models.rope import rope_parameters
 
@@ -43,7 +42,6 @@ class BaseModelArgs:
         return cls(**{k: v for k, v in config.items() if k in names})
 
 
-@compat.region_argument
 @dataclass
 class AttentionMetadata:
     """Per-step layout of a flat batch of tokens from several sequences over the paged KV cache.

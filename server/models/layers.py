@@ -221,7 +221,7 @@ class DecoderLayer(nn.Module):
         layers inline (`meta.layers_inline`: a trace-time constant, so the two forms share no guard). A mixer's
         graph break (`traces_whole = False`) is in its multi-token form: every layer traces whole in decode."""
         if (self.traces_whole or meta.is_decode) and not meta.layers_inline:
-            return _layer_region(self, x, rope, meta, cache)
+            return _call_region(self, x, rope, meta, cache)
         return _layer_forward(self, x, rope, meta, cache, fuse_top_k=False)
 
 
@@ -232,9 +232,23 @@ def _layer_forward(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
     return h + (ffn(ffn_in, fuse_top_k) if getattr(ffn, "routes_top_k", False) else ffn(ffn_in))
 
 
-def _region_forward(layer: DecoderLayer, x, rope, meta, cache):
+_META_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
+
+
+def _call_region(layer: DecoderLayer, x, rope, meta, cache):
+    """The region takes only leaves (tensors, constants, the layer): dynamo fingerprints those directly to find
+    the region it already traced, where a nested argument makes it trace pytree's flatten at every layer's call
+    (a third of a warm start). A state layer's cache is a tuple of tensors, an attention layer's one tensor."""
+    caches = cache if isinstance(cache, tuple) else (cache,)
+    fields = tuple(getattr(meta, name) for name in _META_FIELDS)
+    return _layer_region(layer, x, isinstance(cache, tuple), len(caches), *rope, *caches, *fields)
+
+
+def _region_forward(layer: DecoderLayer, x, cache_is_tuple: bool, num_caches: int, cos, sin, *caches_and_fields):
+    caches, fields = caches_and_fields[:num_caches], caches_and_fields[num_caches:]
+    cache = tuple(caches) if cache_is_tuple else caches[0]
     # A fused router top-k is slow to generate: worth it once per region, not once per inline layer.
-    return _layer_forward(layer, x, rope, meta, cache, fuse_top_k=True)
+    return _layer_forward(layer, x, (cos, sin), AttentionMetadata(*fields), cache, fuse_top_k=True)
 
 
 # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):

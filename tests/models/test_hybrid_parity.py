@@ -287,7 +287,7 @@ def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_c
     assert layers and fused == [layer.traces_whole for layer in layers]
     assert set(fused) == ({True} if arch == "lfm2_moe" else {True, False})
     paths = []  # how each decoder layer runs: as a region (compiled once for all layers) or inline
-    monkeypatch.setattr(layers_mod, "_layer_region", lambda *args: paths.append("region"))
+    monkeypatch.setattr(layers_mod, "_call_region", lambda *args: paths.append("region"))
     monkeypatch.setattr(layers_mod, "_layer_forward", lambda *args, **kwargs: paths.append("inline"))
     all_layers = engine.model.model.layers
     for is_decode, layers_inline, expected in (
