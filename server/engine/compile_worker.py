@@ -228,15 +228,18 @@ def _under(mode, run):
 
 
 def fill_caches_on_compile() -> None:
-    """Every torch.compile from now on hands its graphs to inductor, which writes its caches, and runs them as FX
-    code: the compiled kernels would read the fakes' (absent) data."""
+    """Every torch.compile from now on hands its graphs to inductor (or the inductor-based backend it names), which
+    writes its caches, and runs them as FX code: the compiled kernels would read the fakes' (absent) data."""
     from torch._inductor.compile_fx import compile_fx
 
     compile_ = torch.compile
 
-    def compile_filling(fn=None, *, options=None, **kwargs):
+    def compile_filling(fn=None, *, options=None, backend=None, **kwargs):
         def fill(graph_module, example_inputs):
-            compile_fx(graph_module, example_inputs, config_patches=options)
+            if backend is None:
+                compile_fx(graph_module, example_inputs, config_patches=options)
+            else:
+                backend(graph_module, example_inputs)
             return graph_module.forward
 
         return compile_(fn, backend=fill, **kwargs)

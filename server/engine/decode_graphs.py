@@ -117,7 +117,7 @@ class DecodeGraphs:
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
         fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
-        # Launched kernel by kernel, the C++ wrapper saves host time per kernel; it cannot call a compiled region.
+        # Launched kernel by kernel, the C++ wrapper saves host time per kernel; its step inlines the layers.
         self.compiled = LaunchCompiled(self._forward, "the decode step",
                                        None if self.use_graphs else self._forward_layers_inline,
                                        fullgraph=True, dynamic=None)
@@ -183,8 +183,8 @@ class DecodeGraphs:
         return self._step(packed, last_token_ids, layers_inline=False)
 
     def _forward_layers_inline(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
-        """The step as inductor's C++ wrapper builds it: no decoder layer as a compiled region (it cannot call one).
-        A function of its own, so that its compiled code and guards are apart from `_forward`'s."""
+        """The step as inductor's C++ wrapper builds it: every decoder layer inlined (it cannot call a compiled
+        region). A function of its own, so that its compiled code and guards are apart from `_forward`'s."""
         return self._step(packed, last_token_ids, layers_inline=True)
 
     def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, layers_inline: bool) -> torch.Tensor:

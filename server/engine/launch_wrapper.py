@@ -3,9 +3,10 @@
 Launched kernel by kernel (MPS, the CPU, CUDA without graphs), a step's host time is the cost of launching each
 generated kernel; inductor's default wrapper does that from Python, its C++ wrapper (`cpp_wrapper`, which has CUDA,
 CPU and MPS back ends) from one compiled function. The C++ form needs the host's compiler, lacks a few constructs
-(a call of a compiled region among them, so its step traces the decoder layers inline) and is slower to build, so
-it is a second form: built first where nothing serves meanwhile, built after the Python form where the engine
-serves while it compiles, and never the reason a step falls back to the eager path.
+(a call of a compiled region among them: its step's regions are inlined after tracing, or traced inline where
+torch lacks that pass) and is slower to build, so it is a second form: built first where nothing serves
+meanwhile, built after the Python form where the engine serves while it compiles, and never the reason a step
+falls back to the eager path.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from server.engine.background_compile import describe_failure
+from server.kernels import compat
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,7 @@ class LaunchCompiled:
         self._python_form = torch.compile(python_fn, **compile_kwargs)
         self._cpp_form = None
         if cpp_fn is not None:
-            self._cpp_form = torch.compile(cpp_fn, options={"cpp_wrapper": True}, **compile_kwargs)
+            self._cpp_form = torch.compile(cpp_fn, backend=compat.cpp_wrapper_inductor, **compile_kwargs)
         self.compiled = self._cpp_form or self._python_form
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once
 

@@ -86,6 +86,30 @@ def compile_region(fn):
     return torch.compiler.nested_compile_region(fn) if regions_compile_once() else fn
 
 
+def inline_regions_pass():
+    """torch's pass that inlines every compiled-region call of a traced graph back into it (2.13+), or None."""
+    try:
+        from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph
+    except ImportError:
+        return None
+    return inline_invoke_subgraph
+
+
+def regions_inline_after_tracing() -> bool:
+    """Whether a step built by cpp_wrapper_inductor may call compiled regions (traced once, then inlined)."""
+    return regions_compile_once() and inline_regions_pass() is not None
+
+
+def cpp_wrapper_inductor(gm, example_inputs):
+    """A torch.compile backend: inductor with its C++ wrapper, which cannot call a compiled region, given the
+    traced graph with every region inlined. Dynamo still traces each distinct region once and stamps it out for
+    the other layers (where torch has the pass), so only inductor sees every layer."""
+    from torch._inductor.compile_fx import compile_fx
+
+    inline = inline_regions_pass()
+    return compile_fx(inline(gm) if inline else gm, example_inputs, config_patches={"cpp_wrapper": True})
+
+
 def regions_compile_once() -> bool:
     """Whether compile_region compiles its function once for every call site (else once per call, inline)."""
     return torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region")

@@ -217,11 +217,14 @@ class DecoderLayer(nn.Module):
         self.traces_whole = getattr(mixer, "traces_whole", True)
 
     def forward(self, x, rope, meta, cache):
-        """A layer that traces whole runs as a region compiled once for every layer, unless the step traces its
-        layers inline (`meta.layers_inline`: a trace-time constant, so the two forms share no guard). A mixer's
-        graph break (`traces_whole = False`) is in its multi-token form: every layer traces whole in decode."""
-        if (self.traces_whole or meta.is_decode) and not meta.layers_inline:
-            return _call_region(self, x, rope, meta, cache)
+        """A layer that traces whole runs as a region compiled once for every layer. A step whose compiler inlines
+        its layers (`meta.layers_inline`, a trace-time constant: inductor's C++ wrapper) still calls the region
+        where torch inlines it after tracing (traced once, compiled per layer), else traces the layer inline. A
+        mixer's graph break (`traces_whole = False`) is in its multi-token form: every layer traces whole in
+        decode."""
+        if (self.traces_whole or meta.is_decode) and (not meta.layers_inline or _REGIONS_INLINE_AFTER_TRACING):
+            # A fused router top-k is slow to generate: worth it once per compiled region, not once per layer.
+            return _call_region(self, x, rope, meta, cache, fuse_top_k=not meta.layers_inline)
         return _layer_forward(self, x, rope, meta, cache, fuse_top_k=False)
 
 
@@ -233,22 +236,23 @@ def _layer_forward(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
 
 
 _META_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
+_REGIONS_INLINE_AFTER_TRACING = compat.regions_inline_after_tracing()  # read once: forward runs while tracing
 
 
-def _call_region(layer: DecoderLayer, x, rope, meta, cache):
+def _call_region(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
     """The region takes only leaves (tensors, constants, the layer): dynamo fingerprints those directly to find
     the region it already traced, where a nested argument makes it trace pytree's flatten at every layer's call
     (a third of a warm start). A state layer's cache is a tuple of tensors, an attention layer's one tensor."""
     caches = cache if isinstance(cache, tuple) else (cache,)
     fields = tuple(getattr(meta, name) for name in _META_FIELDS)
-    return _layer_region(layer, x, isinstance(cache, tuple), len(caches), *rope, *caches, *fields)
+    return _layer_region(layer, x, fuse_top_k, isinstance(cache, tuple), len(caches), *rope, *caches, *fields)
 
 
-def _region_forward(layer: DecoderLayer, x, cache_is_tuple: bool, num_caches: int, cos, sin, *caches_and_fields):
+def _region_forward(layer: DecoderLayer, x, fuse_top_k: bool, cache_is_tuple: bool, num_caches: int, cos, sin,
+                    *caches_and_fields):
     caches, fields = caches_and_fields[:num_caches], caches_and_fields[num_caches:]
     cache = tuple(caches) if cache_is_tuple else caches[0]
-    # A fused router top-k is slow to generate: worth it once per region, not once per inline layer.
-    return _layer_forward(layer, x, (cos, sin), AttentionMetadata(*fields), cache, fuse_top_k=True)
+    return _layer_forward(layer, x, (cos, sin), AttentionMetadata(*fields), cache, fuse_top_k)
 
 
 # Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):

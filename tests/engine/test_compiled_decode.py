@@ -48,10 +48,15 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
 
 
 @pytest.mark.skipif(not compat.regions_compile_once(), reason="older torch traces every decoder layer inline")
-def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_layers(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("wrapper", ["python", "c++"])
+def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_layers(wrapper, tiny_checkpoint,
+                                                                                      monkeypatch):
     """Dynamo traces the layer region at its first call and reuses that trace for every other layer, which
     otherwise takes most of a warm start; the region's arguments are leaves, which dynamo fingerprints without
-    tracing pytree's flatten at every call (where torch has that split)."""
+    tracing pytree's flatten at every call (where torch has that split). The C++ wrapper's step, which cannot
+    call a region, gets them inlined after tracing (where torch has that pass)."""
+    if wrapper == "c++" and not compat.regions_inline_after_tracing():
+        pytest.skip("this torch traces the C++ wrapper's layers inline")
     from torch._dynamo.variables import invoke_subgraph
 
     flattened = []  # region calls whose arguments dynamo traced through pytree
@@ -65,7 +70,8 @@ def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_l
     logger = logging.getLogger("torch._dynamo.variables.invoke_subgraph.__hierarchical_compile")
     path, _ = tiny_checkpoint("llama")
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
-    engine.runner.decode_graphs.compiled.python_first()  # the form whose layers are regions
+    if wrapper == "python":
+        engine.runner.decode_graphs.compiled.python_first()
     torch._logging.set_logs(hierarchical_compile=True)
     logger.addHandler(handler)
     try:
@@ -75,6 +81,7 @@ def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_l
         torch._logging.set_logs()
     assert sum(reused) == len(engine.model.model.layers) - 1 >= 1, reused
     assert not flattened
+    assert engine.runner.decode_graphs.kernel_launch == f"{wrapper} wrapper"
 
 
 def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, monkeypatch):

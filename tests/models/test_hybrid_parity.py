@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from server.engine.model_runner import KVCache
 from server.engine.state_cache import StateSlots
 from server.engine.types import SamplingParams
+from server.kernels import compat
 from server.models import layers as layers_mod
 from tests.helpers import hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
@@ -287,13 +288,16 @@ def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_c
     assert layers and fused == [layer.traces_whole for layer in layers]
     assert set(fused) == ({True} if arch == "lfm2_moe" else {True, False})
     paths = []  # how each decoder layer runs: as a region (compiled once for all layers) or inline
-    monkeypatch.setattr(layers_mod, "_call_region", lambda *args: paths.append("region"))
+    monkeypatch.setattr(layers_mod, "_call_region", lambda *args, fuse_top_k: paths.append(("region", fuse_top_k)))
     monkeypatch.setattr(layers_mod, "_layer_forward", lambda *args, **kwargs: paths.append("inline"))
     all_layers = engine.model.model.layers
+    # A step whose layers are inlined (the C++ wrapper's) calls regions traced once where torch inlines them after
+    # tracing, with the per-layer top-k.
+    inlined = ("region", False) if compat.regions_inline_after_tracing() else "inline"
     for is_decode, layers_inline, expected in (
-            (False, False, ["region" if layer.traces_whole else "inline" for layer in all_layers]),
-            (True, False, ["region"] * len(all_layers)),  # no graph break in a decode step
-            (True, True, ["inline"] * len(all_layers))):
+            (False, False, [("region", True) if layer.traces_whole else "inline" for layer in all_layers]),
+            (True, False, [("region", True)] * len(all_layers)),  # no graph break in a decode step
+            (True, True, [inlined] * len(all_layers))):
         paths.clear()
         for layer in all_layers:
             layer(None, None, SimpleNamespace(is_decode=is_decode, layers_inline=layers_inline), None)
