@@ -57,6 +57,12 @@ def stages_to_fill(spec: dict, stages: list[str]) -> list[str]:
     return [what for what in stages if what not in HOST_READING_STAGES and not filled_marker(spec, what).exists()]
 
 
+def cache_holds_every_stage(spec: dict | None) -> bool:
+    """Whether a child filled every stage it can of the engine `spec` describes (as its twin listed them)."""
+    names = None if spec is None else twin_stage_names(spec)
+    return names is not None and not stages_to_fill(spec, names)
+
+
 def twin_stage_names(spec: dict) -> list[str] | None:
     """The warm-up stages a child's twin of this engine listed, None where no child built that twin yet."""
     try:

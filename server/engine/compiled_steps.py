@@ -10,7 +10,7 @@ from functools import partial
 
 from server.engine.background_compile import BackgroundCompile, run_stage
 from server.engine.build import EngineParts
-from server.engine.compile_worker import ChildBeforeLoad, child_spec, start_compile_child
+from server.engine.compile_worker import ChildBeforeLoad, cache_holds_every_stage, child_spec, start_compile_child
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -50,13 +50,16 @@ class CompiledSteps:
             return None
         compiled = self._compiled_runner = self.runner
         self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        stages = self._warm_up_stages(compiled, beside_serving=True)
-        if child is None:
-            spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
-                              self.kv_cache.num_blocks - 1)
-            child = start_compile_child(spec, [what for what, _ in stages])
-        else:
+        spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
+                          self.kv_cache.num_blocks - 1)
+        # Where a child filled every stage before, each form only loads: the quicker-to-build forms first would
+        # only delay the final ones (inductor's C++ wrapper where no graph replays the step).
+        cached = cache_holds_every_stage(spec)
+        stages = self._warm_up_stages(compiled, beside_serving=not cached)
+        if child is not None:
             child.want([what for what, _ in stages])
+        elif not cached:
+            child = start_compile_child(spec, [what for what, _ in stages])
         self._background = BackgroundCompile(stages, str(self.device), child)
         compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self._background.start()

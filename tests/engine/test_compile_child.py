@@ -146,6 +146,29 @@ def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, w
     assert started.pop()["stages"] == stages[:2]
 
 
+def test_a_restart_whose_cache_holds_every_stage_builds_the_final_forms_from_the_first_stage(tiny_checkpoint,
+                                                                                              with_child,
+                                                                                              monkeypatch):
+    """Beside serving, the steps launch from inductor's Python wrapper until a last stage has built the C++ form;
+    where a child filled every stage of this engine before, each form only loads, so the stages build the C++
+    form from the first one on, and no child starts."""
+    path, _ = tiny_checkpoint("llama")
+    asked, started = [], []  # warm_up_stages' `beside_serving` per compile_in_background; children started
+    monkeypatch.setattr(server.engine.compiled_steps, "warm_up_stages",
+                        lambda runner, blocks, prefill, beside_serving: asked.append(beside_serving) or [])
+    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child",
+                        lambda spec, stages: started.append(stages))
+    for cached in (False, True):
+        engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+        engine.compile_in_background().join(60)
+        assert asked.pop() is not cached and len(started) == (not cached)
+        started.clear()
+        names = ["the decode step of one sequence", "the decode step and the sampler launched from C++"]
+        for what in names:  # as a child that filled them leaves them
+            compile_worker.write_marker(spec_of(engine), what, "filled")
+        compile_worker.write_marker(spec_of(engine), compile_worker.STAGE_LIST, names)
+
+
 def spec_of(engine) -> dict:
     return compile_worker.child_spec(engine.model, engine.config, engine.device, engine.dtype, engine.max_model_len,
                                      engine.kv_cache.num_blocks - 1)
