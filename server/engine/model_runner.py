@@ -111,8 +111,8 @@ class ModelRunner:
         self._sample = sampling.sample
         if decode_graphs is not None:
             self._sample = LaunchCompiled(sampling.sample, "the sampler",
-                                          None if decode_graphs.use_graphs else sampling.sample, fullgraph=True,
-                                          dynamic=None)
+                                          None if decode_graphs.use_graphs else _sample_launched_from_cpp,
+                                          fullgraph=True, dynamic=None)
         self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
@@ -296,6 +296,13 @@ class ModelRunner:
         if self.state_cache is not None:  # hybrids: snapshot copies / resets, then the rows' state slots
             self.state_cache.prepare(chunks, meta)
         return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges, pending
+
+
+def _sample_launched_from_cpp(*args, **kwargs):
+    """`sampling.sample` under a code object of its own, for its C++-wrapper form: dynamo keeps what it saw of a
+    function's shapes per code object, so after the Python form the C++ form compiled other (dynamic) graphs than
+    it does alone, and a restart that builds it alone missed the cache."""
+    return sampling.sample(*args, **kwargs)
 
 
 def _sampling_row(request: Request) -> sampling.SamplingRow:
