@@ -27,10 +27,12 @@ log = logging.getLogger(__name__)
 
 
 class CompileChild:
-    def __init__(self, process: subprocess.Popen, log_path: Path, count_misses: Callable[[], int]):
+    def __init__(self, process: subprocess.Popen, log_path: Path, count_misses: Callable[[], int],
+                 asked: list[str] | None = None):
         self._process, self.log_path, self._count_misses = process, log_path, count_misses
         self._misses_before: int | None = None  # the cache misses before loading a stage the child filled
         self._announced: list[str] | None = None  # the stages the child fills, once it said so
+        self._asked = asked  # the stages it was asked for, where its spec names them
         self._reported: dict[str, dict] = {}
         self._ended = False  # no more reports come
         self._closed = False  # ended by us: what it reported is no longer waited for
@@ -48,7 +50,7 @@ class CompileChild:
         process.stdin.flush()
         log.info("compiling in a child process (pid %d, log %s); this one loads what it compiled", process.pid,
                  log_path)
-        return cls(process, log_path, count_misses)
+        return cls(process, log_path, count_misses, spec.get("stages"))
 
     def want(self, stages: list[str]) -> None:
         """Tell a child started before the engine existed which stages this process runs: it skips the others."""
@@ -60,7 +62,11 @@ class CompileChild:
 
     def wait_for(self, what: str) -> bool:
         """Block until the child has filled the caches for stage `what` -> whether it did. False at once for a
-        stage the child does not fill; False when it failed the stage or ended first."""
+        stage the child does not fill (also before it announced its stages, for one it was not asked for); False
+        when it failed the stage or ended first."""
+        if self._asked is not None and what not in self._asked:
+            self._misses_before = None
+            return False
         with self._lock:
             while not self._ended and (self._announced is None or what in self._announced) \
                     and what not in self._reported:

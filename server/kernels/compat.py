@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake as _is_fake
 
 
 def _private(name: str, private: bool | None) -> bool:
@@ -72,6 +73,11 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a FakeTensor: a shape without memory, as the compile child's twin has."""
+    return _is_fake(tensor)
 
 
 def torch_version() -> tuple[int, int]:

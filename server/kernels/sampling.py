@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.kernels import compat
+
 _M32 = 0xFFFFFFFF
 _MIX_A, _MIX_B = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one never overflows int64
 _GOLDEN = 0x61C88647  # spreads consecutive vocab indices before mixing
@@ -106,7 +108,7 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
+    if device.type == "cuda" and not compat.is_fake(host):  # a fake (the compile child's twin) has nothing to pin
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 

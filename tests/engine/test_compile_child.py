@@ -214,3 +214,20 @@ def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it
     assert background.join(300) and engine.compile_state == "ready", background.error
     Engine.from_config(EngineConfig(model=str(path), **kw, compile="off"), compile_beside_serving=True)
     assert len(started) == 1
+
+
+def test_a_stage_the_child_was_not_asked_for_is_not_waited_for(tmp_path):
+    """Not even before the child announced its stages (it builds its twin first: seconds on a GPU)."""
+    import sys
+    import time
+
+    from server.engine.compile_child import CompileChild
+
+    child = CompileChild.start({"stages": ["the sampler"]}, [sys.executable, "-c", "import time; time.sleep(60)"],
+                               {}, tmp_path / "child.log", lambda: 0)
+    try:
+        start = time.perf_counter()
+        assert not child.wait_for("the decode step of one sequence")
+        assert time.perf_counter() - start < 5
+    finally:
+        child.close()

@@ -168,3 +168,17 @@ def test_chunked_cumsum_is_cumsum(num_rows, vocab_size, num_chunks):
     values = torch.rand(num_rows, vocab_size, dtype=torch.float64)
     torch.testing.assert_close(chunked_cumsum(values, num_chunks), torch.cumsum(values, dim=-1), rtol=1e-12,
                                atol=1e-12)
+
+
+def test_host_copies_of_a_fake_are_not_pinned(monkeypatch):
+    """The compile child builds sampling batches on fake tensors, which have no memory to pin (CUDA pins host
+    copies): the copy still happens, unpinned."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from server.kernels import sampling
+
+    moved = []
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: moved.append(args) or self)
+    with FakeTensorMode():
+        sampling._to_device([1.0, 2.0], torch.float32, torch.device("cuda"))
+    assert moved == [(torch.device("cuda"),)]
