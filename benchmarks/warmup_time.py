@@ -13,6 +13,8 @@ complete. With --checkpoint the weights stream from disk through `serve`'s loade
 before they do (`--compile-child late`: after, for comparison); seconds still count from the end of the load,
 which `build_s` times. --eager-only measures the eager decode rate before the compile starts
 (`eager_tok_s_alone`) and stops after the rate while compiling: what the compile costs the eager path.
+--first-stage times the first background-compile stage alone (one sequence's decode step as `serve` builds it
+first), nothing served beside it; --profile N then prints its N costliest calls (cProfile).
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --serve-path: on starts it as `serve` does (with --checkpoint before the weights "
                              "load), late once they are loaded (as before), off compiles in the serving process, "
                              "for comparison (the child only starts where the cache lacks the stages)")
+    parser.add_argument("--first-stage", action="store_true",
+                        help="time the first background-compile stage alone, nothing served beside it")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="with --first-stage: print the N costliest calls of the stage")
     parser.add_argument("--switch-interval-us", type=float, default=None,
                         help="the GIL switch interval while compiling beside serving, for this measurement only")
     args = parser.parse_args(argv)
@@ -87,11 +93,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_path:
         if not serve_path(engine, hf_config["vocab_size"], record, args.eager_only):
             return 0
+    elif args.first_stage:
+        record.update(first_stage(engine, args.profile))
     else:
         record.update({"warm_up_s": round(engine.warm_up(), 1),
                        "decode_shapes_captured": len(engine.runner.decode_graphs.graphs)})
     print(json.dumps(record), flush=True)
     return 0
+
+
+def first_stage(engine, profile_top: int) -> dict:
+    """The first background-compile stage alone; with `profile_top`, where its time goes."""
+    import cProfile
+    import pstats
+
+    what, run = engine._warm_up_stages(engine.runner, beside_serving=True)[0]
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    if profile_top:
+        profile.enable()
+    run()
+    profile.disable()
+    seconds = time.perf_counter() - start
+    if profile_top:
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(profile_top)
+    return {"stage": what, "stage_s": round(seconds, 1), "profiled": bool(profile_top)}
 
 
 def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
