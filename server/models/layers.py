@@ -243,6 +243,8 @@ def _call_region(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
     """The region takes only leaves (tensors, constants, the layer): dynamo fingerprints those directly to find
     the region it already traced, where a nested argument makes it trace pytree's flatten at every layer's call
     (a third of a warm start). A state layer's cache is a tuple of tensors, an attention layer's one tensor."""
+    if not torch.compiler.is_compiling():  # eager, the region is a plain call: no metadata rebuilt per layer
+        return _layer_forward(layer, x, rope, meta, cache, fuse_top_k)
     caches = cache if isinstance(cache, tuple) else (cache,)
     fields = tuple(getattr(meta, name) for name in _META_FIELDS)
     return _layer_region(layer, x, fuse_top_k, isinstance(cache, tuple), len(caches), *rope, *caches, *fields)
