@@ -24,8 +24,6 @@ inductor fuses into one kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -52,7 +50,7 @@ def route_softmax(
         expert_ids = torch.cat(expert_ids, dim=-1)
     elif renormalize:
         top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
-        weights = softmax_over_winners(top_logits.float())
+        weights = torch.softmax(top_logits.float(), dim=-1)
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
@@ -75,28 +73,8 @@ def route_sigmoid_bias(
         expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k, fuse)[1]
         weights = scores.gather(1, expert_ids)
     if renormalize:
-        weights = weights / (sum_over_winners(weights) + 1e-6)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return weights * scaling, expert_ids
-
-
-def softmax_over_winners(top_logits: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim of [T, k] (k small). Compiled, the max and the sum are k-term chains of
-    column ops: pointwise, so inductor folds them into the kernel that consumes the weights, where a softmax is a
-    reduction kernel of its own per layer."""
-    if not torch.compiler.is_compiling():
-        return torch.softmax(top_logits, dim=-1)
-    columns = top_logits.unbind(-1)  # k x [T]
-    shift = functools.reduce(torch.maximum, columns).unsqueeze(-1)  # [T, 1]
-    exps = torch.exp(top_logits - shift)  # [T, k]
-    return exps / sum_over_winners(exps)
-
-
-def sum_over_winners(values: torch.Tensor) -> torch.Tensor:
-    """[T, k] -> [T, 1] sum over the k winners; compiled, a pointwise chain of k column adds (see
-    softmax_over_winners), eagerly one sum."""
-    if not torch.compiler.is_compiling():
-        return values.sum(dim=-1, keepdim=True)
-    return sum(values.unbind(-1)).unsqueeze(-1)
 
 
 def top_k_unsorted(scores: torch.Tensor, top_k: int, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
