@@ -207,7 +207,14 @@ class SharedExpertMoE(nn.Module):
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         routed = self.experts(x, weights, expert_ids)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + torch.sigmoid(self._shared_gate_logit(x)) * self.shared_expert(x)
+
+    def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
+        """shared_expert_gate(x) [T, 1]. Compiled, a reduction over the hidden size that inductor generates with
+        its neighbours, where a one-row linear is a BLAS call of its own (a dot and its reduction on CUDA)."""
+        if not torch.compiler.is_compiling():
+            return self.shared_expert_gate(x)
+        return (x.float() * self.shared_expert_gate.weight.float()).sum(-1, keepdim=True).to(x.dtype)
 
 
 class SigmoidBiasMoE(nn.Module):
