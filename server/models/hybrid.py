@@ -180,14 +180,25 @@ class GatedAttention(nn.Module):
         num_tokens = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = self._norm_rope_qk(q, k.view(num_tokens, self.num_kv_heads, self.head_dim), rope)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         out = out * torch.sigmoid(gate)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def _norm_rope_qk(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_norm, k_norm, then RoPE. Compiled, on the q and k heads as one tensor: one norm whose weight row
+        depends on the head and one rotation, a kernel for both where each tensor took kernels of its own. Eagerly
+        apart: q lies between the gates in q_proj's rows, so joining it to k is a copy."""
+        if not torch.compiler.is_compiling():
+            return apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
+        qk = torch.cat((q, k), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
+        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                            self.k_norm.weight.expand(self.num_kv_heads, -1)))
+        # As RMSNorm(zero_centered=True): normalized in fp32, scaled by 1 + w, rounded once.
+        normed = F.rms_norm(qk.float(), qk.shape[-1:], None, self.q_norm.eps) * (1.0 + weight.float())
+        return apply_rope(normed.to(qk.dtype), *rope).split([self.num_heads, self.num_kv_heads], dim=1)
 
 
 class SharedExpertMoE(nn.Module):

@@ -93,11 +93,25 @@ class RotaryEmbedding(nn.Module):
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE on the first `cos.shape[-1]` dims of each head (partial rotary passes the rest)."""
     rot_dim = cos.shape[-1]
+    if rot_dim < x.shape[-1] and torch.compiler.is_compiling():
+        return _apply_partial_rope_whole_head(x, cos, sin)
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     half = rot_dim // 2
     rotated = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
     out = x_rot * cos[:, None, :] + rotated * sin[:, None, :]  # x: [num_tokens, heads, head_dim]
     return torch.cat((out, x_pass), dim=-1) if x_pass.shape[-1] else out
+
+
+def _apply_partial_rope_whole_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope's partial rotary as one expression over the whole head (cos padded with ones, sin with zeros
+    over the passed dims, which come out exactly: x * 1 + 0). Compiled, the rotated part concatenated with the
+    passed part is a buffer inductor stores in a kernel of its own; this form stays in the norm's kernel."""
+    rot_dim, pass_dim = cos.shape[-1], x.shape[-1] - cos.shape[-1]
+    half = rot_dim // 2
+    rotated = torch.cat((-x[..., half:rot_dim], x[..., :half], x[..., rot_dim:]), dim=-1)
+    cos_full = F.pad(cos, (0, pass_dim), value=1.0)[:, None, :]  # [num_tokens, 1, head_dim]
+    sin_full = F.pad(sin, (0, pass_dim), value=0.0)[:, None, :]
+    return x * cos_full + rotated * sin_full
 
 
 class Attention(nn.Module):

@@ -60,3 +60,54 @@ def test_compiled_shared_expert_gate_is_a_reduction_not_a_linear():
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(lambda t: moe(t, False), fullgraph=True)(x), expected,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_partial_rope_matches_eager_and_passes_the_rest_exactly(dtype):
+    """Compiled, partial rotary is one expression over the whole head (cos padded with ones, sin with zeros)."""
+    from server.models.layers import apply_rope
+
+    gen = torch.Generator().manual_seed(dtype.itemsize)
+    x = torch.randn(3, 5, 32, generator=gen).to(dtype)
+    cos, sin = torch.randn(3, 8, generator=gen).to(dtype), torch.randn(3, 8, generator=gen).to(dtype)
+    torch._dynamo.reset()
+    got = torch.compile(apply_rope, fullgraph=True)(x, cos, sin)
+    expected = apply_rope(x, cos, sin)
+    assert torch.equal(got[..., 8:], x[..., 8:])
+    tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # eager rounds after each op
+    torch.testing.assert_close(got, expected, **tolerance)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+def test_compiled_gated_attention_norms_q_and_k_heads_as_one_tensor():
+    """Compiled, Qwen3-Next/3.5 attention norms and rotates its q and k heads together (one kernel on a GPU
+    where each tensor took its own), with the eager values."""
+    from server.models.hybrid import GatedAttention
+
+    torch.manual_seed(0)
+    attn = GatedAttention(64, 4, 2, 32, 1e-6)
+    for param in attn.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    rope = torch.randn(3, 8), torch.randn(3, 8)
+    norms = []
+
+    def record(graph_module, example_inputs):
+        norms.extend(n for n in graph_module.graph.nodes if n.op == "call_function" and "rms_norm" in str(n.target))
+        return graph_module.forward
+
+    def norm_rope(q, k):
+        return attn._norm_rope_qk(q, k, rope)
+
+    q, k = torch.randn(3, 4, 32), torch.randn(3, 2, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(norm_rope, backend=record, fullgraph=True)(q, k)
+        got, expected = torch.compile(norm_rope, fullgraph=True)(q, k), norm_rope(q, k)
+    assert len(norms) == 1
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
