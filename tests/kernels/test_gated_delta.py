@@ -114,3 +114,24 @@ def test_causal_conv1d_in_chunks_equals_one_pass():
     first, state = gd.causal_conv1d(x[:, :11], weight, zero, torch.tensor([11, 11]))
     second, _ = gd.causal_conv1d(x[:, 11:], weight, state, torch.tensor([9, 9]))
     assert (torch.cat([first, second], dim=1) - full).abs().max().item() < 1e-5
+
+
+def test_compiled_qk_normalization_is_one_reduction():
+    """Compiled, q and k heads are L2-normed as one tensor (one reduction kernel where each took one), with the
+    eager values (q scaled by dk^-0.5, key heads repeated to the value heads)."""
+    sums = []
+
+    def record(graph_module, example_inputs):
+        sums.extend(n for n in graph_module.graph.nodes if n.op in ("call_function", "call_method")
+                    and getattr(n.target, "__name__", n.target) == "sum")
+        return graph_module.forward
+
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 3, 4, 16, generator=gen), torch.randn(2, 3, 4, 16, generator=gen)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: gd._normalize_qk(a, b, 8), backend=record, fullgraph=True)
+    got, expected = compiled(q, k), gd._normalize_qk(q, k, 8)
+    assert len(sums) == 1
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape == (2, 3, 8, 16)
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
