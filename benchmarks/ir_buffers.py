@@ -1,0 +1,81 @@
+"""The buffers inductor stores for a small piece of a compiled decode step, on the CPU: what a GPU would run as
+kernels before the scheduler fuses neighbours of one shape (a reduction and the pointwise work around it become one
+kernel). A check of a fusion change without a GPU; the GPU's kernel listing (decode_breakdown.py --list-step) is
+the measurement.
+
+    PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gated-attention-qk
+    PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gdn-qk
+
+CUDA's lowering of a small concatenation (masked loads) is forced, and the read limit set to CUDA's, so that the
+stored buffers are the ones CUDA would store. Prints each buffer (its IR node and size) and the largest difference
+from eager."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # a cache hit would skip the lowering
+
+import torch  # noqa: E402
+import torch._inductor.config as inductor_config  # noqa: E402
+from torch._inductor import graph as inductor_graph  # noqa: E402
+
+inductor_config.force_pointwise_cat = True
+inductor_config.realize_acc_reads_threshold = 8
+
+
+def gated_attention_qk():
+    from server.models.hybrid import GatedAttention
+
+    attn = GatedAttention(64, 4, 2, 32, 1e-6)
+    for param in attn.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    rope = torch.randn(3, 8), torch.randn(3, 8)  # partial rotary: 8 of 32 dims
+
+    def prep(x):
+        q_gate, k, _ = attn.qkv_proj(x).split([2 * attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q, _ = q_gate.view(3, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
+        return attn._norm_rope_qk(q, k.view(3, attn.num_kv_heads, attn.head_dim), rope)
+
+    return prep, (torch.randn(3, 64),)
+
+
+def gdn_qk():
+    import torch.nn.functional as F
+
+    from server.kernels import gated_delta
+
+    def prep(qkv):
+        q, k, _ = F.silu(qkv).split([64, 64, 128], -1)
+        return gated_delta._normalize_qk(q.reshape(2, 4, 16), k.reshape(2, 4, 16), 8)
+
+    return prep, (torch.randn(2, 256),)
+
+
+CASES = {"gated-attention-qk": gated_attention_qk, "gdn-qk": gdn_qk}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=sorted(CASES), required=True)
+    args = parser.parse_args()
+    codegen = inductor_graph.GraphLowering.codegen
+
+    def report_then_codegen(graph, *rest, **kwargs):
+        stored = [b for b in graph.buffers if type(b).__name__ == "ComputedBuffer"]
+        print(f"{len(stored)} stored buffers, {sum(type(b.data).__name__ == 'Reduction' for b in stored)} reductions")
+        for buffer in stored:
+            print(f"  {buffer.get_name()}: {type(buffer.data).__name__} {list(buffer.get_size())}")
+        return codegen(graph, *rest, **kwargs)
+
+    inductor_graph.GraphLowering.codegen = report_then_codegen
+    torch.manual_seed(0)
+    fn, inputs = CASES[args.case]()
+    with torch.no_grad():
+        got, expected = torch.compile(fn, fullgraph=True)(*inputs), fn(*inputs)
+    print("max difference from eager:", max((g - e).abs().max().item() for g, e in zip(got, expected, strict=True)))
+
+
+if __name__ == "__main__":
+    main()
