@@ -57,17 +57,11 @@ def causal_conv1d_reference(x, weight, state, lengths):
 
 
 def _normalize_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 L2 norm (eps 1e-6, as FLA/HF), q scaled by dk^-0.5, key heads repeated to the value heads.
-    Compiled, q and k heads are normed as one tensor: one reduction kernel where each took one (eagerly the
-    concatenation would be a copy)."""
-    if torch.compiler.is_compiling():
-        qk = torch.cat((q, k), dim=-2).float()
-        q, k = (qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)).split([q.shape[-2], k.shape[-2]], -2)
-        q = q * q.shape[-1] ** -0.5
-    else:
-        q, k = q.float(), k.float()
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    """fp32 L2 norm (eps 1e-6, as FLA/HF), q scaled by dk^-0.5, key heads repeated to the value heads. q and k
+    heads are normed as one tensor: one reduction kernel in the compiled step where each took one."""
+    qk = torch.cat((q, k), dim=-2).float()
+    q, k = (qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)).split([q.shape[-2], k.shape[-2]], -2)
+    q = q * q.shape[-1] ** -0.5
     ratio = num_v_heads // k.shape[-2]
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=-2), k.repeat_interleave(ratio, dim=-2)

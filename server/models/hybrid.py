@@ -19,7 +19,16 @@ from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
-from server.models.layers import Attention, CausalLM, FusedExperts, GatedMLP, MergedLinear, RMSNorm, apply_rope
+from server.models.layers import (
+    Attention,
+    CausalLM,
+    FusedExperts,
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    apply_rope,
+    norm_q_and_k_heads,
+)
 
 log = logging.getLogger(__name__)
 
@@ -188,17 +197,11 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def _norm_rope_qk(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_norm, k_norm, then RoPE. Compiled, on the q and k heads as one tensor: one norm whose weight row
-        depends on the head and one rotation, a kernel for both where each tensor took kernels of its own. Eagerly
-        apart: q lies between the gates in q_proj's rows, so joining it to k is a copy."""
-        if not torch.compiler.is_compiling():
-            return apply_rope(self.q_norm(q), *rope), apply_rope(self.k_norm(k), *rope)
+        """q_norm, k_norm, then RoPE, on the q and k heads as one tensor: one kernel for both in the compiled step
+        where each took kernels of its own (q lies between the gates in q_proj's rows: joining it to k copies)."""
         qk = torch.cat((q, k), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
-        weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
-                            self.k_norm.weight.expand(self.num_kv_heads, -1)))
-        # As RMSNorm(zero_centered=True): normalized in fp32, scaled by 1 + w, rounded once.
-        normed = F.rms_norm(qk.float(), qk.shape[-1:], None, self.q_norm.eps) * (1.0 + weight.float())
-        return apply_rope(normed.to(qk.dtype), *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        normed = norm_q_and_k_heads(qk, self.q_norm, self.k_norm, self.num_heads)
+        return apply_rope(normed, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
 
 
 class SharedExpertMoE(nn.Module):

@@ -38,6 +38,16 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x, x.shape[-1:], None, self.eps)
 
 
+def norm_q_and_k_heads(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q_heads: int) -> torch.Tensor:
+    """q_norm on the first `num_q_heads` heads of `qk` [num_tokens, heads, head_dim] and k_norm on the others, as
+    one RMSNorm whose weight row depends on the head (each rounded as RMSNorm rounds): one kernel for both in the
+    compiled step."""
+    weight = torch.cat((q_norm.weight.expand(num_q_heads, -1), k_norm.weight.expand(qk.shape[1] - num_q_heads, -1)))
+    if q_norm.zero_centered:
+        return (F.rms_norm(qk.float(), qk.shape[-1:], None, q_norm.eps) * (1.0 + weight.float())).to(qk.dtype)
+    return weight * F.rms_norm(qk, qk.shape[-1:], None, q_norm.eps)
+
+
 class MergedLinear(nn.Linear):
     """Several checkpoint projections stored as one weight (rows concatenated), read with one GEMM.
 
@@ -153,20 +163,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [num_tokens, heads + kv_heads | kv_heads, head_dim]
         if self.has_qk_norm:
-            qk = self.norm_qk(qk)
+            qk = norm_q_and_k_heads(qk, getattr(self, self.q_norm_name), getattr(self, self.k_norm_name),
+                                    self.num_heads)
         # q and k heads normed and rotated together: one kernel of the compiled step instead of one per tensor
         q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
         return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
-
-    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
-        """q_norm on the q heads and k_norm on the k heads of `qk` [num_tokens, heads + kv_heads, head_dim], as
-        one RMSNorm whose weight row depends on the head."""
-        q_norm, k_norm = getattr(self, self.q_norm_name), getattr(self, self.k_norm_name)
-        weight = torch.cat((q_norm.weight.expand(self.num_heads, -1), k_norm.weight.expand(self.num_kv_heads, -1)))
-        return weight * F.rms_norm(qk, qk.shape[-1:], None, q_norm.eps)
-
 
 class GatedMLP(nn.Module):
     """SwiGLU `down(silu(gate(x)) * up(x))` with gate and up fused into one GEMM."""
