@@ -46,6 +46,18 @@ def fresh_dynamo():
 
 
 @pytest.fixture(autouse=True)
+def no_saved_compiles(monkeypatch):
+    """Compiled steps are not saved whole (saved_compile) unless a test asks for it (tests/engine/
+    test_saved_compile.py): a step saved by an earlier test would spare a later one the trace it checks, and
+    tracing to save skips inductor's FX graph cache, which keeps the suite's compiles short."""
+    import server.engine.compile_worker
+    import server.engine.compiled_steps
+
+    for module in (server.engine.compiled_steps, server.engine.compile_worker):
+        monkeypatch.setattr(module, "saved_steps_dir", lambda spec: None)
+
+
+@pytest.fixture(autouse=True)
 def compile_in_process(monkeypatch):
     """Background compiles run in the serving process unless a test asks for the compile child
     (tests/engine/test_compile_child.py): a child per test would double the suite's compile work, and tests that

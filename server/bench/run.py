@@ -213,7 +213,7 @@ def decode_step_kernels(engine, batch: list[list[int]], device) -> int:
 
 def _decode_attention(engine) -> dict[str, str] | None:
     graphs = engine.runner.decode_graphs
-    return None if graphs is None else {"batch_1": "flex" if graphs.flex_at_batch_1 else "sdpa", "batch_2_up": "sdpa"}
+    return None if graphs is None else {"batch_1": "flex" if graphs.step.flex_at_batch_1 else "sdpa", "batch_2_up": "sdpa"}
 
 
 def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max_len: int):

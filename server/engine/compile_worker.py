@@ -40,7 +40,8 @@ def start_compile_child(spec: dict | None, stages: list[str] | None) -> CompileC
         return None
     if stages is None:  # before the engine exists: the stages a twin of it listed before, if one did
         stages = twin_stage_names(spec)
-    spec = dict(spec, stages=None if stages is None else stages_to_fill(spec, stages))
+    spec = dict(spec, stages=None if stages is None else stages_to_fill(spec, stages),
+                save_steps=saved_steps_dir(spec) is not None)  # whether this process loads what it saves
     if spec["stages"] == []:
         log.info("the compile cache holds this model's steps (%s): loading them in this process",
                  filled_marker(spec, "").parent)
@@ -129,16 +130,30 @@ def source_fingerprint() -> str:
     return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:16]
 
 
-def filled_marker(spec: dict, what: str) -> Path:
-    """The file a child leaves in inductor's cache directory once it filled stage `what` of the engine `spec`
-    describes (whichever stages it was asked for). The KV memory settings are not in its key: what they do to
-    the graphs is the block count's, which is."""
+def saved_steps_dir(spec: dict) -> Path:
+    """Where the compiled steps of the engine `spec` describes are saved whole (saved_compile), keyed as the
+    child's markers are and on the device's name too: dynamo's guards do not check which GPU it is."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
-    engine = {k: v for k, v in spec.items() if k != "stages"}
+    device = torch.device(spec["device"])
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return Path(cache_dir()) / "mps-serve-saved" / _engine_key(spec, name)
+
+
+def _engine_key(spec: dict, what) -> str:
+    """A key of the engine `spec` describes and `what`; the KV memory settings are not in it: what they do to the
+    graphs is the block count's, which is."""
+    engine = {k: v for k, v in spec.items() if k not in ("stages", "save_steps")}
     engine["config"] = {k: v for k, v in spec["config"].items() if not k.startswith("kv_cache_memory_")}
-    key = hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
-    return Path(cache_dir()) / "mps-serve-filled" / key
+    return hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
+
+
+def filled_marker(spec: dict, what: str) -> Path:
+    """The file a child leaves in inductor's cache directory once it filled stage `what` of the engine `spec`
+    describes (whichever stages it was asked for)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
+
+    return Path(cache_dir()) / "mps-serve-filled" / _engine_key(spec, what)
 
 
 # ---- the child --------------------------------------------------------------------------------------------------
@@ -220,6 +235,8 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     graphs = engine.runner.decode_graphs
     if graphs is not None:
         graphs.use_graphs = False  # compile what the server captures, without a capture (no real tensors here)
+        if spec.get("save_steps"):  # the serving process loads the decode step from there
+            graphs.compiled.save_to(saved_steps_dir(spec), save_only=True)
     names = [what for what, _ in stages]
     wanted = spec["stages"] if spec["stages"] is not None else stages_to_fill(spec, names)
     return names, [(what, _under(fake_mode, run)) for what, run in stages if what in wanted]

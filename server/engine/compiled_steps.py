@@ -10,7 +10,13 @@ from functools import partial
 
 from server.engine.background_compile import BackgroundCompile, run_stage
 from server.engine.build import EngineParts
-from server.engine.compile_worker import ChildBeforeLoad, cache_holds_every_stage, child_spec, start_compile_child
+from server.engine.compile_worker import (
+    ChildBeforeLoad,
+    cache_holds_every_stage,
+    child_spec,
+    saved_steps_dir,
+    start_compile_child,
+)
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
 from server.engine.scheduler import Scheduler
@@ -27,6 +33,16 @@ def child_before_load(config) -> ChildBeforeLoad:
 class CompiledSteps:
     """Mixed into `Engine`: the state it keeps is the engine's (`_background`, `_compiled_runner`,
     `_early_child`, `_warmed_up`, `_compile_failed`)."""
+
+    def save_compiled_steps(self) -> None:
+        """Save the compiled decode step whole under the compile cache as it is traced, and load it from there at
+        a restart (saved_compile: no trace at a warm start). Called for serving engines only: the compile child
+        fills inductor's caches and nothing else."""
+        graphs = self.runner.decode_graphs
+        spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
+                          self.kv_cache.num_blocks - 1)
+        if graphs is not None and spec is not None:
+            graphs.compiled.save_to(saved_steps_dir(spec))
 
     @property
     def compile_state(self) -> str:

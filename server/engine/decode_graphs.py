@@ -95,6 +95,49 @@ class DecodeRows:
         return DecodeFields(*columns, state_slots, packed[:, self.num_fixed:].clone())
 
 
+# Compile for every block-table width at once, and every batch size past 1 at once (torch specializes size 1
+# anyway): two compiles in all instead of one per changed dimension.
+DYNAMIC_DIMS = {0: (0, 1)}  # the packed rows [B_pad, num_fixed + blocks_pad]
+
+
+@dataclass(eq=False)
+class DecodeStep:
+    """The decode step's code and what it reads besides its inputs: plain data, which a saved compile of the step
+    names in its guards (saved_compile)."""
+
+    model: torch.nn.Module
+    kv_layers: list[torch.Tensor]
+    state_layers: list | None  # hybrids: StateCache.layers
+    rows: DecodeRows
+    flex_at_batch_1: bool
+
+    def forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        return self._step(packed, last_token_ids, layers_inline=False)
+
+    def forward_layers_inline(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
+        """The step as inductor's C++ wrapper builds it: every decoder layer inlined (it cannot call a compiled
+        region). A function of its own, so that its compiled code and guards are apart from `forward`'s."""
+        return self._step(packed, last_token_ids, layers_inline=True)
+
+    def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, layers_inline: bool) -> torch.Tensor:
+        rows = self.rows.unpack(packed)
+        fed_ids = last_token_ids[rows.feed_rows.clamp(min=0)]
+        input_ids, positions = torch.where(rows.feed_rows >= 0, fed_ids, rows.input_ids), rows.positions
+        state = {}
+        if rows.state_slots is not None:
+            state = dict(query_lens=torch.ones_like(positions), state_slots=rows.state_slots,
+                         state_caches=self.state_layers)
+        # Batch 1 is its own graph (static size 1); larger batches share one symbolic batch size, assumed >= 2 by
+        # dynamo, so this test adds no guard.
+        flex = self.flex_at_batch_1 and packed.shape[0] == 1
+        meta = AttentionMetadata.for_decode(rows.slot_mapping, rows.block_tables, positions, flex, self.kv_layers[0],
+                                            layers_inline, **state)
+        hidden = self.model(input_ids, positions, meta, self.kv_layers)
+        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
+        last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))
+        return logits
+
+
 class DecodeGraphs:
     """The step takes ONE packed int64 input `[B_pad, num_fixed + blocks_pad]`, a row per sequence (DecodeRows),
     so a step is one host-to-device copy plus the replay. A feed row >= 0 takes the input id from
@@ -103,9 +146,10 @@ class DecodeGraphs:
     it."""
 
     def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, state_cache=None, flex_at_batch_1: bool = False):
-        self.flex_at_batch_1 = flex_at_batch_1
         self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
         self.rows = DecodeRows(state_cache.scratch_slot if state_cache is not None else None)
+        self.step = DecodeStep(model, kv_layers, state_cache.layers if state_cache is not None else None, self.rows,
+                               flex_at_batch_1)
         self.model, self.kv_layers, self.device = model, kv_layers, device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
@@ -118,9 +162,9 @@ class DecodeGraphs:
         self.use_graphs = graphs and device.type == "cuda"
         fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
         # Launched kernel by kernel, the C++ wrapper saves host time per kernel; its step inlines the layers.
-        self.compiled = LaunchCompiled(self._forward, "the decode step",
-                                       None if self.use_graphs else self._forward_layers_inline,
-                                       fullgraph=True, dynamic=None)
+        self.compiled = LaunchCompiled(self.step.forward, "the decode step",
+                                       None if self.use_graphs else self.step.forward_layers_inline,
+                                       dynamic_dims=DYNAMIC_DIMS, fullgraph=True, dynamic=None)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_pool = None
         self.compile_seconds = 0.0  # first-call compile and capture time, reported by the benchmark
@@ -179,32 +223,6 @@ class DecodeGraphs:
 
         self.compiled.build_cpp_form(run_warm_up)
 
-    def _forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
-        return self._step(packed, last_token_ids, layers_inline=False)
-
-    def _forward_layers_inline(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
-        """The step as inductor's C++ wrapper builds it: every decoder layer inlined (it cannot call a compiled
-        region). A function of its own, so that its compiled code and guards are apart from `_forward`'s."""
-        return self._step(packed, last_token_ids, layers_inline=True)
-
-    def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, layers_inline: bool) -> torch.Tensor:
-        rows = self.rows.unpack(packed)
-        fed_ids = last_token_ids[rows.feed_rows.clamp(min=0)]
-        input_ids, positions = torch.where(rows.feed_rows >= 0, fed_ids, rows.input_ids), rows.positions
-        state = {}
-        if rows.state_slots is not None:
-            state = dict(query_lens=torch.ones_like(positions), state_slots=rows.state_slots,
-                         state_caches=self.state_cache.layers)
-        # Batch 1 is its own graph (static size 1); larger batches share one symbolic batch size, assumed >= 2 by
-        # dynamo, so this test adds no guard.
-        flex = self.flex_at_batch_1 and packed.shape[0] == 1
-        meta = AttentionMetadata.for_decode(rows.slot_mapping, rows.block_tables, positions, flex, self.kv_layers[0],
-                                            layers_inline, **state)
-        hidden = self.model(input_ids, positions, meta, self.kv_layers)
-        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
-        last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))
-        return logits
-
     @torch.inference_mode()
     def run(self, packed_host: torch.Tensor, before_write=None) -> torch.Tensor:
         """packed_host: the step's packed rows on the host (pinned on CUDA). `before_write()` is called once the
@@ -213,7 +231,6 @@ class DecodeGraphs:
         key = (packed_host.shape[0], self.rows.num_blocks(packed_host))
         if not self.use_graphs:
             packed = packed_host.to(self.device, non_blocking=True)
-            self._mark_shapes(packed)
             if before_write is not None:
                 before_write()
             if key in self.shapes_run:
@@ -233,19 +250,10 @@ class DecodeGraphs:
         graph.replay()
         return static_out
 
-    @staticmethod
-    def _mark_shapes(packed: torch.Tensor) -> None:
-        """Compile for every block-table width at once, and every batch size past 1 at once (torch specializes
-        size 1 anyway): two compiles in all instead of one per changed dimension."""
-        torch._dynamo.maybe_mark_dynamic(packed, 0)
-        torch._dynamo.maybe_mark_dynamic(packed, 1)
-
     def _padding(self, key: tuple[int, int]) -> torch.Tensor:
-        """A step of padding rows on the device (the null block, the scratch state), its shape marked dynamic."""
+        """A step of padding rows on the device (the null block, the scratch state)."""
         num_seqs, num_blocks = key
-        packed = torch.tensor([self.rows.padding_row(num_blocks)] * num_seqs, dtype=torch.int64, device=self.device)
-        self._mark_shapes(packed)
-        return packed
+        return torch.tensor([self.rows.padding_row(num_blocks)] * num_seqs, dtype=torch.int64, device=self.device)
 
     def _capture(self, key: tuple[int, int]) -> None:
         start = time.perf_counter()

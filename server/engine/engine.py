@@ -93,7 +93,9 @@ class Engine(CompiledSteps):
         Without a tokenizer, prompts must be token ids and outputs carry no text."""
         dtype = next(model.parameters()).dtype
         limit = max_model_len or config.max_model_len or model.args.max_position_embeddings
-        return cls(model, tokenizer, config, device, dtype, limit, config.model)
+        engine = cls(model, tokenizer, config, device, dtype, limit, config.model)
+        engine.save_compiled_steps()
+        return engine
 
     @classmethod
     def from_config(cls, config: EngineConfig, compile_beside_serving: bool = False) -> Engine:
@@ -111,6 +113,7 @@ class Engine(CompiledSteps):
                             num_kv_blocks=early.num_kv_blocks if early else None)
         engine = cls(model, tokenizer, config, device, dtype, max_model_len, config.model, parts, pooling)
         engine._early_child = early.child if early else None
+        engine.save_compiled_steps()
         return engine
 
     @property

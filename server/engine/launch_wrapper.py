@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from server.engine.background_compile import describe_failure
+from server.engine.saved_compile import DynamicDims, SavedCompile
 from server.kernels import compat
 
 log = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ WarmUp = Callable[[Callable], None]  # runs warm-up calls (inputs safe to run tw
 
 
 class LaunchCompiled:
-    """`torch.compile(python_fn, **compile_kwargs)` and, given `cpp_fn` (the same step, traced as the C++ wrapper
+    """`torch.compile(python_fn, **compile_kwargs)` (a SavedCompile) and, given `cpp_fn` (the same step, traced as the C++ wrapper
     can build it), its C++-wrapper form, which launches the step from the start. A failure to build the C++ form
     (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure) moves the step to the
     Python form for good, with one warning; any other failure, and any failure of the Python form, reaches the
@@ -35,14 +37,23 @@ class LaunchCompiled:
     Beside serving, `python_first()` makes the Python form (quicker to build) launch the step until
     `build_cpp_form` has built the C++ one on warm-up calls."""
 
-    def __init__(self, python_fn: Callable, name: str, cpp_fn: Callable | None = None, **compile_kwargs):
+    def __init__(self, python_fn: Callable, name: str, cpp_fn: Callable | None = None,
+                 dynamic_dims: DynamicDims | None = None, **compile_kwargs):
         self.name = name
-        self._python_form = torch.compile(python_fn, **compile_kwargs)
+        dims = dynamic_dims or {}
+        self._python_form = SavedCompile(python_fn, name, dims, **compile_kwargs)
         self._cpp_form = None
         if cpp_fn is not None:
-            self._cpp_form = torch.compile(cpp_fn, backend=compat.cpp_wrapper_inductor, **compile_kwargs)
+            self._cpp_form = SavedCompile(cpp_fn, f"{name} (C++ wrapper)", dims, backend=compat.cpp_wrapper_inductor,
+                                          **compile_kwargs)
         self.compiled = self._cpp_form or self._python_form
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once
+
+    def save_to(self, store: Path | None, save_only: bool = False) -> None:
+        """Each form saves what it traces under `store` and loads it at a restart (SavedCompile.save_to)."""
+        self._python_form.save_to(store / "python" if store else None, save_only)
+        if self._cpp_form is not None:
+            self._cpp_form.save_to(store / "cpp" if store else None, save_only)
 
     @property
     def cpp_wrapper(self) -> bool:

@@ -25,6 +25,9 @@ def _shielded_class(cls: type) -> type:
         return cls
     if cls not in _SHIELDED:
         inherited = {name: method for name, method in _MODULE_METHODS.items() if getattr(cls, name) is method}
-        _SHIELDED[cls] = type(cls.__name__, (cls,), {**inherited, "__module__": cls.__module__,
-                                                      "__qualname__": cls.__qualname__})
+        # A top-level name of this module, so that a saved compiled step's guards can name the class (pickle
+        # finds it by reference; dynamo saves no type guard of a class whose __qualname__ is not its __name__).
+        name = f"{cls.__module__}.{cls.__qualname__}".replace(".", "_")
+        _SHIELDED[cls] = globals()[name] = type(name, (cls,), {
+            **inherited, "__module__": __name__, "_get_name": lambda self: cls.__name__})
     return _SHIELDED[cls]

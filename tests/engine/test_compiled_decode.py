@@ -104,8 +104,8 @@ def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, mo
     path, _ = tiny_checkpoint("llama")
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     graphs = compiled.runner.decode_graphs
-    assert graphs.flex_at_batch_1 is False  # chosen only on CUDA
-    graphs.flex_at_batch_1 = True
+    assert graphs.step.flex_at_batch_1 is False  # chosen only on CUDA
+    graphs.step.flex_at_batch_1 = True
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for prompts in ([random_ids(13, 4)], [random_ids(n, n) for n in (5, 9)]):
         compiled.generate(prompts, params)
