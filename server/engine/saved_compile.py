@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -44,7 +45,8 @@ class SavedCompile:
     def __init__(self, fn: Callable, name: str, dynamic_dims: DynamicDims, **compile_kwargs):
         self.name, self.dynamic_dims = name, dynamic_dims
         self._compiled = torch.compile(fn, **compile_kwargs)
-        self._saved_form = _compile(fn, options={"guard_filter_fn": saved_guards}, **compile_kwargs)
+        with _aot_compile_enabled():
+            self._saved_form = _compile(fn, options={"guard_filter_fn": saved_guards}, **compile_kwargs)
         self._owner = (fn.__self__,) if inspect.ismethod(fn) else ()  # the saved code takes it as an argument
         self._globals = inspect.unwrap(getattr(fn, "__func__", fn)).__globals__
         self._store: Path | None = None
@@ -61,7 +63,11 @@ class SavedCompile:
         """Save traced entries in `store` and load those saved there (None: plain torch.compile). `save_only`:
         a call traces and saves an entry for its inputs where none is saved, and runs nothing (the inputs may
         be fakes)."""
-        self._store = store if store is None or hasattr(self._saved_form, "aot_compile") else None
+        if store is not None and not hasattr(self._saved_form, "aot_compile"):
+            log.info("torch %s cannot save compiled code (no aot_compile): %s is traced at each start",
+                     torch.__version__, self.name)
+            store = None
+        self._store = store
         self._entries, self._loaded, self._save_only = None, set(), save_only
 
     def __call__(self, *args):
@@ -142,6 +148,12 @@ class SavedCompile:
 def _describe(exc: BaseException) -> str:
     lines = str(exc).splitlines()
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def _aot_compile_enabled():
+    """torch.compile gives its output `aot_compile` only under this flag, which is off by default before 2.13."""
+    config = torch._dynamo.config
+    return config.patch(enable_aot_compile=True) if hasattr(config, "enable_aot_compile") else nullcontext()
 
 
 def saved_guards(guards) -> list[bool]:
