@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from server.kernels import compat
+
 log = logging.getLogger(__name__)
 
 # Taken at import: the compile child replaces torch.compile with its cache filler, whose output does not save.
@@ -45,8 +47,10 @@ class SavedCompile:
     def __init__(self, fn: Callable, name: str, dynamic_dims: DynamicDims, **compile_kwargs):
         self.name, self.dynamic_dims = name, dynamic_dims
         self._compiled = torch.compile(fn, **compile_kwargs)
+        options = {**compile_kwargs.get("options", {}), "guard_filter_fn": saved_guards}
+        saved_kwargs = dict(compile_kwargs, options=options)
         with _aot_compile_enabled():
-            self._saved_form = _compile(fn, options={"guard_filter_fn": saved_guards}, **compile_kwargs)
+            self._saved_form = _compile(fn, **saved_kwargs)
         self._owner = (fn.__self__,) if inspect.ismethod(fn) else ()  # the saved code takes it as an argument
         self._globals = inspect.unwrap(getattr(fn, "__func__", fn)).__globals__
         self._store: Path | None = None
@@ -63,9 +67,9 @@ class SavedCompile:
         """Save traced entries in `store` and load those saved there (None: plain torch.compile). `save_only`:
         a call traces and saves an entry for its inputs where none is saved, and runs nothing (the inputs may
         be fakes)."""
-        if store is not None and not hasattr(self._saved_form, "aot_compile"):
-            log.info("torch %s cannot save compiled code (no aot_compile): %s is traced at each start",
-                     torch.__version__, self.name)
+        if store is not None and not saves_compiles():
+            log.info("torch %s does not save compiled code reliably: %s is traced at each start", torch.__version__,
+                     self.name)
             store = None
         self._store = store
         self._entries, self._loaded, self._save_only = None, set(), save_only
@@ -148,6 +152,13 @@ class SavedCompile:
 def _describe(exc: BaseException) -> str:
     lines = str(exc).splitlines()
     return f"{type(exc).__name__}: {lines[0][:200]}" if lines else type(exc).__name__
+
+
+def saves_compiles() -> bool:
+    """Whether torch saves and loads compiled code soundly: from 2.13. Before, an entry traced on fakes (the compile
+    child's) does not load (an error on CUDA, a crash on the CPU), and a C++-wrapper step with compiled regions
+    cannot be saved."""
+    return compat.torch_version() >= (2, 13) and hasattr(torch.compiler, "load_compiled_function")
 
 
 def _aot_compile_enabled():

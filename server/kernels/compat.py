@@ -116,6 +116,13 @@ def cpp_wrapper_inductor(gm, example_inputs):
     return compile_fx(inline(gm) if inline else gm, example_inputs, config_patches={"cpp_wrapper": True})
 
 
+def cpp_wrapper_compile_kwargs() -> dict:
+    """torch.compile's arguments for inductor with its C++ wrapper: inductor's own option where no compiled region
+    is to be inlined first (a saved compile can only name inductor's own backend before torch 2.13), else
+    cpp_wrapper_inductor."""
+    return {"backend": cpp_wrapper_inductor} if regions_inline_after_tracing() else {"options": {"cpp_wrapper": True}}
+
+
 def regions_compile_once() -> bool:
     """Whether compile_region compiles its function once for every call site (else once per call, inline)."""
     return torch_version() >= (2, 13) and hasattr(torch.compiler, "nested_compile_region")

@@ -140,3 +140,15 @@ def test_the_compile_child_saves_the_decode_step_and_the_serving_process_only_lo
         assert any(m.startswith("loaded a saved compile of the decode step") for m in messages), messages
         assert not any(m.startswith("saved a compile of") for m in messages), "\n".join(m for m in messages if "compile" in m)
         assert any(m.startswith("the compile child filled") for m in messages) is not restarted
+
+
+def test_where_torch_does_not_save_compiles_soundly_the_step_is_traced_at_each_start(tiny_checkpoint, store,
+                                                                                     monkeypatch):
+    monkeypatch.setattr(saved_compile, "saves_compiles", lambda: False)
+    path = tiny_checkpoint("llama")[0]
+    prompts = fresh_prompts()
+    expected = token_ids(Engine.from_pretrained(str(path), **ENGINE_KW, compile="off"), prompts)
+    engine, stats = restart(path)
+    assert engine.runner.decode_graphs.compiled.compiled.store is None
+    assert token_ids(engine, prompts) == expected and stats["unique_graphs"] >= 1
+    assert not store.exists()
