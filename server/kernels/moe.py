@@ -120,8 +120,7 @@ def moe_experts(
     down: torch.Tensor,  # [E, H, I]
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * down[e] @ (silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H]."""
-    num_slots, num_experts = expert_ids.numel(), gate_up.shape[0]
-    if use_gather_reduce(x.device, num_slots, num_experts):
+    if use_gather_reduce(x.device, expert_ids, gate_up.shape[0]):
         return _experts_gather_reduce(x, weights, expert_ids, gate_up, down)
     if grouped_mm_ok(x.device, x.dtype, torch.compiler.is_compiling()):
         return with_fallback(x.device, "grouped_mm", lambda: _experts_grouped(x, weights, expert_ids, gate_up, down),
@@ -138,13 +137,33 @@ def _experts_ungrouped(x, weights, expert_ids, gate_up, down):
 
 def few_slots(num_slots: int, num_experts: int) -> bool:
     """Decode-sized steps, where reading each chosen expert through one fused reduction beats grouped_mm."""
-    return num_slots * 4 <= num_experts
+    return num_slots * 4 <= num_experts  # few_slots_only_at_fewest has its complement
 
 
-def use_gather_reduce(device: torch.device, num_slots: int, num_experts: int) -> bool:
+def use_gather_reduce(device: torch.device, expert_ids: torch.Tensor, num_experts: int) -> bool:
     """Only inside torch.compile, and not on MPS: there the native grouped_mm is the measured path, and this
-    one is not measured on a Mac."""
-    return torch.compiler.is_compiling() and device.type != "mps" and few_slots(num_slots, num_experts)
+    one is not measured on a Mac. `expert_ids`: [T, k]."""
+    if not torch.compiler.is_compiling() or device.type == "mps":
+        return False
+    num_tokens, top_k = expert_ids.shape
+    if compat.regions_compile_once() and few_slots_only_at_fewest(num_tokens, top_k, num_experts):
+        return False
+    return few_slots(num_tokens * top_k, num_experts)
+
+
+def few_slots_only_at_fewest(num_tokens, top_k: int, num_experts: int) -> bool:
+    """Whether a token count of 2 or more (the symbolic batch of a decode step) has few slots at its smallest value
+    only. Guarding that would leave the symbolic count a single value, which inside a compiled decoder layer
+    replaces a symbol the layer's other copies take (torch then fails to stamp them out), so such a step takes the
+    other path. Decided without a guard; a fixed count of 2 or more (no compile in serving has one) would take the
+    other path too."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    def surely_not_few(n) -> bool:  # few_slots' complement (torch.sym_not does not trace on a fixed count)
+        return statically_known_true(n * top_k * 4 > num_experts)
+
+    return (statically_known_true(num_tokens >= 2) and surely_not_few(num_tokens + 1)
+            and not surely_not_few(num_tokens))
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ def moe_experts_fp8(
     down_scale: torch.Tensor,  # [E, H] float32
 ) -> torch.Tensor:
     """Same function as moe.moe_experts with gate_up = gate_up_q * scale[..., None], down likewise -> [T, H]."""
-    if use_gather_reduce(x.device, expert_ids.numel(), gate_up_q.shape[0]):
+    if use_gather_reduce(x.device, expert_ids, gate_up_q.shape[0]):
         return _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     quantized = (gate_up_q, gate_up_scale, down_q, down_scale)
     if fp8_grouped_ok(x.device):
