@@ -36,8 +36,8 @@ class CompiledSteps:
 
     def save_compiled_steps(self) -> None:
         """Save the compiled decode step whole under the compile cache as it is traced, and load it from there at
-        a restart (saved_compile: no trace at a warm start). Called for serving engines only: the compile child
-        fills inductor's caches and nothing else."""
+        a restart (saved_compile: no trace at a warm start). Called for serving engines (from_config, from_model);
+        the compile child saves it on its fakes through compile_worker.twin_stages."""
         graphs = self.runner.decode_graphs
         spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
                           self.kv_cache.num_blocks - 1)

@@ -28,11 +28,11 @@ WarmUp = Callable[[Callable], None]  # runs warm-up calls (inputs safe to run tw
 
 
 class LaunchCompiled:
-    """`torch.compile(python_fn, **compile_kwargs)` (a SavedCompile) and, given `cpp_fn` (the same step, traced as the C++ wrapper
-    can build it), its C++-wrapper form, which launches the step from the start. A failure to build the C++ form
-    (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure) moves the step to the
-    Python form for good, with one warning; any other failure, and any failure of the Python form, reaches the
-    caller as is: a step that ran part way may not run again (a hybrid's state is updated in place).
+    """`torch.compile(python_fn, **compile_kwargs)` (a SavedCompile) and, given `cpp_fn` (the same step, traced as
+    the C++ wrapper can build it), its C++-wrapper form, which launches the step from the start. A failure to build
+    the C++ form (a `TorchDynamoException`, raised before the step runs; in a warm-up call, any failure) moves the
+    step to the Python form for good, with one warning; any other failure, and any failure of the Python form,
+    reaches the caller as is: a step that ran part way may not run again (a hybrid's state is updated in place).
 
     Beside serving, `python_first()` makes the Python form (quicker to build) launch the step until
     `build_cpp_form` has built the C++ one on warm-up calls."""

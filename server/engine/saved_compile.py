@@ -2,16 +2,15 @@
 
 torch's AOT precompile (`aot_compile`) saves what dynamo makes of a function (the code that calls the graph and
 the guards that say when it applies) together with inductor's output (the graph's kernels) in one file. A warm
-start then skips dynamo's trace, which is most of a warm start's compile time for a deep model: inductor's own
-caches only skip the compile after it. Each saved entry is one traced graph with its guards, as dynamo's own
+start then skips dynamo's trace, which it repeats otherwise: inductor's own caches only skip the compile after it. Each saved entry is one traced graph with its guards, as dynamo's own
 cache keeps them (a batch of one, a symbolic batch): a call runs the first entry whose guards pass and traces a
 new one, saved beside the others, where none does.
 
 Tracing for the store runs inductor's lowering again where inductor's FX graph cache would have skipped it, so
 the compile child saves the entries (`save_only`: traced on its fakes, never run), and the serving process loads
 them once the child is done with the stage, rather than tracing itself. Without a store (`save_to(None)`),
-where torch lacks `aot_compile`, or once tracing or saving an entry this way failed, the step is plain
-`torch.compile`.
+where torch does not save compiled code soundly (`saves_compiles`), or once tracing an entry this way failed, the
+step is plain `torch.compile`.
 """
 
 from __future__ import annotations
@@ -84,7 +83,11 @@ class SavedCompile:
         return None if self._save_only else entry(*self._owner, *args)
 
     def _entry_for(self, args: tuple):
-        entry = self._matching(self._entries if self._entries is not None else self._load_new(), args)
+        if self._entries is None:
+            with self._lock:
+                if self._entries is None:
+                    self._load_new()
+        entry = self._matching(self._entries, args)
         if entry is not None:
             return entry
         with self._lock:  # another thread, or the compile child, may have saved one meanwhile
@@ -156,8 +159,7 @@ def _describe(exc: BaseException) -> str:
 
 def saves_compiles() -> bool:
     """Whether torch saves and loads compiled code soundly: from 2.13. Before, an entry traced on fakes (the compile
-    child's) does not load (an error on CUDA, a crash on the CPU), and a C++-wrapper step with compiled regions
-    cannot be saved."""
+    child's) does not load (an error on CUDA, a crash on the CPU)."""
     return compat.torch_version() >= (2, 13) and hasattr(torch.compiler, "load_compiled_function")
 
 

@@ -118,7 +118,7 @@ def cpp_wrapper_inductor(gm, example_inputs):
 
 def cpp_wrapper_compile_kwargs() -> dict:
     """torch.compile's arguments for inductor with its C++ wrapper: inductor's own option where no compiled region
-    is to be inlined first (a saved compile can only name inductor's own backend before torch 2.13), else
+    is to be inlined first (torch 2.11 saves no compile made through a backend of ours), else
     cpp_wrapper_inductor."""
     return {"backend": cpp_wrapper_inductor} if regions_inline_after_tracing() else {"options": {"cpp_wrapper": True}}
 
