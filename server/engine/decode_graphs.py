@@ -134,7 +134,7 @@ class DecodeStep:
                                             layers_inline, **state)
         hidden = self.model(input_ids, positions, meta, self.kv_layers)
         logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
-        last_token_ids[: logits.shape[0]].copy_(sampling.chunked_argmax(logits))
+        last_token_ids[: logits.shape[0]].copy_(sampling.greedy_ids(logits))
         return logits
 
 

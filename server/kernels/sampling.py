@@ -275,7 +275,14 @@ def _as_chunks(rows: torch.Tensor, num_chunks: int, pad_value: float) -> torch.T
     return F.pad(rows, (0, chunk_len * num_chunks - width), value=pad_value).view(num_rows, num_chunks, chunk_len)
 
 
-def chunked_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row [B, V] -> [B], as the compiled decode step takes it: in two stages where a device
+    reduces a row's chunks in parallel; torch.argmax on the CPU, where a row is one thread's work either way and
+    torch 2.11's CPU code for the two stages picks wrong indices."""
+    return logits.argmax(dim=-1) if logits.device.type == "cpu" else two_stage_argmax(logits)
+
+
+def two_stage_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:
     """torch.argmax over the last dim (first index of the maximum) in two stages, for compiled code: inductor
     does not split an argmax, so over a 128k vocabulary one row is one thread block. Here the row is cut into
     `num_chunks` rows first, reduced in parallel."""

@@ -10,12 +10,12 @@ import torch
 from server.kernels.sampling import (
     SamplingRow,
     build_sampling_batch,
-    chunked_argmax,
     chunked_cumsum,
     exponential_noise,
     is_plain_greedy,
     sample,
     sample_reference,
+    two_stage_argmax,
 )
 from tests.kernels.sync_guard import assert_no_host_sync
 
@@ -146,13 +146,13 @@ def test_sample_makes_no_host_sync():
 
 
 @pytest.mark.parametrize("num_rows, vocab_size, num_chunks", [(1, 1000, 64), (3, 151936, 64), (5, 97, 8), (2, 7, 16)])
-def test_chunked_argmax_is_argmax_with_first_index_on_ties(num_rows, vocab_size, num_chunks):
+def test_two_stage_argmax_is_argmax_with_first_index_on_ties(num_rows, vocab_size, num_chunks):
     logits = torch.randn(num_rows, vocab_size)
-    assert torch.equal(chunked_argmax(logits, num_chunks), torch.argmax(logits, dim=-1))
+    assert torch.equal(two_stage_argmax(logits, num_chunks), torch.argmax(logits, dim=-1))
     ties = torch.randint(0, 3, (num_rows, vocab_size)).float()  # many equal maxima in every row
-    assert torch.equal(chunked_argmax(ties, num_chunks), torch.argmax(ties, dim=-1))
+    assert torch.equal(two_stage_argmax(ties, num_chunks), torch.argmax(ties, dim=-1))
     ties[:, -1] = 9.0  # the maximum in the padded last chunk
-    assert torch.equal(chunked_argmax(ties, num_chunks), torch.full((num_rows,), vocab_size - 1))
+    assert torch.equal(two_stage_argmax(ties, num_chunks), torch.full((num_rows,), vocab_size - 1))
 
 
 def test_plain_greedy_only_without_penalties_bias_or_logprobs():
