@@ -9,12 +9,13 @@ new one, saved beside the others, where none does.
 Tracing for the store runs inductor's lowering again where inductor's FX graph cache would have skipped it, so
 the compile child saves the entries (`save_only`: traced on its fakes, never run), and the serving process loads
 them once the child is done with the stage, rather than tracing itself. Without a store (`save_to(None)`),
-where torch does not save compiled code soundly (`saves_compiles`), or once tracing an entry this way failed, the
-step is plain `torch.compile`.
+where torch does not save compiled code soundly (`saves_compiles`), or once tracing an entry this way failed (a
+note in the store keeps later starts from trying again), the step is plain `torch.compile`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 _compile = torch.compile
 
 DynamicDims = dict[int, tuple[int, ...]]  # argument index -> its dimensions compiled as symbolic sizes
+UNSAVEABLE = "unsaveable.txt"  # left in a store where tracing to save failed: the reason
 
 
 class SavedCompile:
@@ -69,6 +71,10 @@ class SavedCompile:
         if store is not None and not saves_compiles():
             log.info("torch %s does not save compiled code reliably: %s is traced at each start", torch.__version__,
                      self.name)
+            store = None
+        if store is not None and (store / UNSAVEABLE).exists():
+            log.info("%s is traced at each start: saving it failed before (%s)", self.name,
+                     (store / UNSAVEABLE).read_text().strip())
             store = None
         self._store = store
         self._entries, self._loaded, self._save_only = None, set(), save_only
@@ -123,6 +129,9 @@ class SavedCompile:
         except Exception as exc:  # noqa: BLE001 - the plain compile serves, and reports a failure of its own
             log.warning("compiling %s to be saved for restarts failed (%s); it is compiled at each start instead",
                         self.name, _describe(exc))
+            with contextlib.suppress(OSError):  # restarts of this same engine and torch do not try again
+                self._store.mkdir(parents=True, exist_ok=True)
+                (self._store / UNSAVEABLE).write_text(_describe(exc) + "\n")
             self._store = None
             return None
         entry.disable_guard_check()

@@ -85,10 +85,13 @@ def test_an_entry_that_does_not_load_is_traced_again_with_a_warning(tiny_checkpo
 
 
 class _Unsaveable:
+    calls = 0
+
     def __init__(self, fn, **compile_kwargs):
         pass
 
     def aot_compile(self, example_inputs):
+        type(self).calls += 1
         raise RuntimeError("backend output does not implement SerializableCallable")
 
 
@@ -104,6 +107,13 @@ def test_a_step_that_cannot_be_saved_is_compiled_as_before_with_one_warning(tiny
         assert token_ids(engine, prompts[:1]) == expected[:1]  # batch 1: another entry, no second warning
     assert caplog.text.count("to be saved for restarts failed") == 1
     assert stats["unique_graphs"] >= 2 and not list(store.rglob("*.pt2"))
+    tried = _Unsaveable.calls
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        restarted, _ = restart(path)  # the failure is remembered: no second try, no second warning
+        assert token_ids(restarted, prompts) == expected
+    assert _Unsaveable.calls == tried and "saving it failed before" in caplog.text
+    assert "to be saved for restarts failed" not in caplog.text
 
 
 def test_the_store_is_keyed_on_what_shapes_the_graphs_and_not_on_the_kv_memory_setting(tiny_checkpoint):
