@@ -69,7 +69,7 @@ for case in "$@"; do
                benchmarks/warmup_time.py --preset ${STARTUP_PRESET:-llama-3.1-8b} --serve-path --graphs ${STARTUP_GRAPHS:-on} \
                --compile-child ${STARTUP_CHILD:-on} \
                --cache-dir /tmp/startup-${STARTUP_PRESET:-llama-3.1-8b}-${STARTUP_GRAPHS:-on}-${STARTUP_CHILD:-on} 2>&1 \
-               | grep '^{\|compiled \|failed\|compile child\|compile cache\|saved compile' >> "$out/startup.txt"; done ;;
+               | grep '^{\|compiled \|failed\|compile child\|compile cache\|saved a compile\|a saved compile' >> "$out/startup.txt"; done ;;
     ckptstart) ckpt=/tmp/ckpt-${STARTUP_PRESET:-llama-3.1-8b}
                [ -f $ckpt/config.json ] || python3 benchmarks/write_checkpoint.py --preset ${STARTUP_PRESET:-llama-3.1-8b} \
                  --out $ckpt >> "$out/ckptstart.txt" 2>&1
