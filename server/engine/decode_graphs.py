@@ -146,11 +146,11 @@ class DecodeGraphs:
     it."""
 
     def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, state_cache=None, flex_at_batch_1: bool = False):
-        self.state_cache = state_cache  # hybrids: StateCache; each row then carries its state slot too
+        # hybrids (state_cache: StateCache): each row carries its state slot too
         self.rows = DecodeRows(state_cache.scratch_slot if state_cache is not None else None)
         self.step = DecodeStep(model, kv_layers, state_cache.layers if state_cache is not None else None, self.rows,
                                flex_at_batch_1)
-        self.model, self.kv_layers, self.device = model, kv_layers, device
+        self.device = device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]
         while self.block_counts[-1] < max_blocks_per_seq:
