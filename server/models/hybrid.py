@@ -17,6 +17,7 @@ from torch import nn
 
 from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
+from server.kernels.gemv import RowReductionLinear
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.layers import (
@@ -64,7 +65,7 @@ class ShortConv(nn.Module):
         self.hidden_size, self.kernel_size = hidden_size, kernel_size
         self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
         self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)  # weight only
-        self.out_proj = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.out_proj = RowReductionLinear(hidden_size, hidden_size, bias=False)
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
         return [((self.hidden_size, self.kernel_size - 1), None)]  # conv state of B*x, model dtype
@@ -115,7 +116,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads))
         self.A_log = nn.Parameter(torch.empty(num_v_heads))
         self.norm = GatedRMSNorm(v_dim, eps)
-        self.out_proj = nn.Linear(self.value_size, hidden_size, bias=False)
+        self.out_proj = RowReductionLinear(self.value_size, hidden_size, bias=False)
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
         return [
@@ -181,7 +182,7 @@ class GatedAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             hidden_size, [2 * self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        self.o_proj = RowReductionLinear(self.q_size, hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, eps, zero_centered=True)
         self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from server.kernels import compat
 from server.kernels import moe as moe_ops
+from server.kernels.gemv import RowReductionLinear
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.rope import rope_attention_factor, rope_inv_freq
@@ -145,7 +146,7 @@ class Attention(nn.Module):
             hidden_size, [self.q_size, self.kv_size, self.kv_size], ["q_proj", "k_proj", "v_proj"]
         )
         self.o_proj_name = o_proj_name
-        setattr(self, o_proj_name, nn.Linear(self.q_size, hidden_size, bias=False))
+        setattr(self, o_proj_name, RowReductionLinear(self.q_size, hidden_size, bias=False))
         self.q_norm_name, self.k_norm_name = q_norm_name, k_norm_name
         self.has_qk_norm = qk_norm_eps is not None
         if self.has_qk_norm:
@@ -179,7 +180,7 @@ class GatedMLP(nn.Module):
         gate_name, up_name, down_name = names
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], [gate_name, up_name])
         self.down_name = down_name
-        setattr(self, down_name, nn.Linear(intermediate_size, hidden_size, bias=False))
+        setattr(self, down_name, RowReductionLinear(intermediate_size, hidden_size, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from server.kernels.gemv import RowReductionLinear
 from server.models.base import ATTENTION
 from server.models.hybrid import (
     GatedAttention,
@@ -210,7 +211,7 @@ def _shard_attention(attn: Attention | GatedAttention, layout: Layout) -> dict[s
     q_rows, kv_rows = _scaled(heads, q_rows_per_head * head_dim), _scaled(kv, head_dim)
     attn.qkv_proj = MergedLinear(old.in_features, [q_rows[1] - q_rows[0], attn.kv_size, attn.kv_size],
                                  old.source_names)
-    setattr(attn, o_name, nn.Linear(attn.q_size, hidden, bias=False))
+    setattr(attn, o_name, RowReductionLinear(attn.q_size, hidden, bias=False))
     q, k, v = old.source_names
     return {f"{q}.weight": rows(q_rows), f"{k}.weight": rows(kv_rows), f"{v}.weight": rows(kv_rows),
             f"{o_name}.weight": Shard(1, (_scaled(heads, head_dim),)),
@@ -223,7 +224,7 @@ def _shard_mlp(mlp: GatedMLP, layout: Layout) -> dict[str, Shard]:
     part = _part(size, layout, "FFN columns")
     down = getattr(mlp, mlp.down_name)
     mlp.gate_up_proj = MergedLinear(old.in_features, [part[1] - part[0]] * 2, old.source_names)
-    setattr(mlp, mlp.down_name, nn.Linear(part[1] - part[0], down.out_features, bias=False))
+    setattr(mlp, mlp.down_name, RowReductionLinear(part[1] - part[0], down.out_features, bias=False))
     gate, up = old.source_names
     return {f"{gate}.weight": rows(part), f"{up}.weight": rows(part), f"{mlp.down_name}.weight": Shard(1, (part,)),
             "gate_up_proj.weight": _fused_rows(old.output_sizes, [(part,), (part,)])}
@@ -256,7 +257,7 @@ def _shard_gated_delta_net(gdn: GatedDeltaNet, layout: Layout) -> dict[str, Shar
     gdn.conv1d = nn.Conv1d(gdn.conv_dim, gdn.conv_dim, gdn.kernel_size, groups=gdn.conv_dim, bias=False)
     gdn.dt_bias = nn.Parameter(torch.empty(gdn.num_v_heads))
     gdn.A_log = nn.Parameter(torch.empty(gdn.num_v_heads))
-    gdn.out_proj = nn.Linear(gdn.value_size, hidden, bias=False)
+    gdn.out_proj = RowReductionLinear(gdn.value_size, hidden, bias=False)
     group_rows = 2 * k_dim + 2 * ratio * v_dim  # Qwen3-Next's grouped in_proj_qkvz: [q k v z] per key head
     qkv_name, z_name, b_name, a_name = names
     return {f"{qkv_name}.weight": rows(*qkv), f"{z_name}.weight": rows(z), f"{b_name}.weight": rows(heads),
@@ -274,7 +275,7 @@ def _shard_short_conv(conv: ShortConv, layout: Layout) -> dict[str, Shard]:
     conv.hidden_size = part[1] - part[0]
     conv.in_proj = nn.Linear(hidden, 3 * conv.hidden_size, bias=False)
     conv.conv = nn.Conv1d(conv.hidden_size, conv.hidden_size, conv.kernel_size, groups=conv.hidden_size, bias=False)
-    conv.out_proj = nn.Linear(conv.hidden_size, hidden, bias=False)
+    conv.out_proj = RowReductionLinear(conv.hidden_size, hidden, bias=False)
     return {"in_proj.weight": rows(part, _scaled(part, 1, hidden), _scaled(part, 1, 2 * hidden)),
             "conv.weight": rows(part), "out_proj.weight": Shard(1, (part,))}
 

@@ -280,3 +280,25 @@ def test_a_moe_whose_few_slots_threshold_is_two_sequences_compiles_every_batch(t
             assert [o.token_ids for o in compiled.generate(batch, params)] == [
                 o.token_ids for o in eager.generate(batch, params)]
     assert compiled.compile_state != "failed" and "failed" not in caplog.text, caplog.text
+
+
+def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkpoint, monkeypatch):
+    """Llama's o_proj and down_proj as one-token row reductions in the batch-1 step (the form CUDA without graphs
+    takes, forced here on the CPU): the eager tokens, and the step did trace the reductions."""
+    from server.kernels import gemv
+
+    path, hf_model = tiny_checkpoint("llama")
+    prompts = [random_ids(n, n + int.from_bytes(os.urandom(2), "little")) for n in (5, 19, 11)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off")
+    expected = [eager.generate(p, params).token_ids for p in prompts]
+    traced = []  # the weight shapes of the row reductions dynamo traced (recorded at trace time, no guard on it)
+    record = torch._dynamo.assume_constant_result(lambda rows, cols: traced.append((rows, cols)) or 0)
+    reduction = gemv.row_reduction_linear
+    monkeypatch.setattr(gemv, "reduces_one_token", lambda device, use_graphs: not use_graphs)
+    monkeypatch.setattr(gemv, "row_reduction_linear", lambda x, w, b: reduction(x, w, b) + record(*w.shape))
+    compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
+    assert [compiled.generate(p, params).token_ids for p in prompts] == expected
+    config = hf_model.config
+    q_size = config.num_attention_heads * config.head_dim
+    assert set(traced) == {(config.hidden_size, q_size), (config.hidden_size, config.intermediate_size)}  # o, down
