@@ -191,6 +191,8 @@ def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_DIR_NAME}-", dir=root))
     try:
         write_demo_model(tmp)
+        if is_complete(target):  # another writer finished meanwhile: its files may be read already, keep them
+            return target
         if target.exists():  # incomplete leftovers of some other writer: move them aside first
             stale = Path(tempfile.mkdtemp(prefix=f".{DEMO_DIR_NAME}-stale-", dir=root))
             os.replace(target, stale / DEMO_DIR_NAME)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,24 @@ def test_reused_when_present_and_rebuilt_when_incomplete(demo_dir, tmp_path, mon
     (target / "model.safetensors").unlink()  # e.g. an interrupted copy by hand
     assert ensure_demo_model(tmp_path) == target
     assert file_digests(target) == digests
+
+
+def test_a_model_another_writer_completed_meanwhile_is_kept(demo_dir, tmp_path, monkeypatch):
+    """Two processes writing the demo at once (the ranks of a parallel model): the one that finishes second keeps
+    the first one's files, which that process may be reading already, instead of moving them aside."""
+    target = tmp_path / DEMO_DIR_NAME
+    write, other_writers = demo.write_demo_model, []
+
+    def write_while_another_completes(out_dir):
+        write(out_dir)
+        shutil.copytree(demo_dir, target)  # the other writer's rename into place
+        other_writers.append((target / "model.safetensors").stat().st_ino)
+
+    monkeypatch.setattr(demo, "write_demo_model", write_while_another_completes)
+    assert ensure_demo_model(tmp_path) == target
+    assert other_writers == [(target / "model.safetensors").stat().st_ino]
+    assert file_digests(target) == file_digests(demo_dir)
+    assert not [p for p in tmp_path.iterdir() if p.name != DEMO_DIR_NAME]
 
 
 def test_env_var_chooses_the_cache(tmp_path, monkeypatch):
