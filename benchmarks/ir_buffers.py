@@ -5,6 +5,7 @@ the measurement.
 
     PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gated-attention-qk
     PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gdn-qk
+    PYTHONPATH=. python3 benchmarks/ir_buffers.py --case moe-experts|fp8-down
 
 CUDA's lowering of a small concatenation (masked loads) is forced, and the read limit set to CUDA's, so that the
 stored buffers are the ones CUDA would store. Prints each buffer (its IR node and size) and the largest difference
@@ -53,7 +54,36 @@ def gdn_qk():
     return prep, (torch.randn(2, 256),)
 
 
-CASES = {"gated-attention-qk": gated_attention_qk, "gdn-qk": gdn_qk}
+def moe_experts_one_token():
+    """The gather-reduce experts of a MoE layer at one token (the compiled step's path on CUDA and the CPU)."""
+    from server.kernels import moe
+
+    num_experts, hidden, inter, top_k = 16, 64, 32, 4
+    gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
+
+    def experts(x, logits):
+        weights, expert_ids = moe.route_softmax(logits, top_k, True)
+        return (moe._experts_gather_reduce(x, weights, expert_ids, gate_up, down),)
+
+    return experts, (torch.randn(1, hidden), torch.randn(1, num_experts))
+
+
+def fp8_down_one_token():
+    """An FP8 down projection at one token, its input the SwiGLU of a gate/up product (the weight-only form)."""
+    from server.kernels import fp8
+
+    w_fp8, w_scale = fp8.quantize_fp8_rowwise(torch.randn(64, 128))
+
+    def down(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+        return (fp8.fp8_weight_only_linear(act, w_fp8, w_scale, None, torch.float32),)
+
+    return down, (torch.randn(1, 256),)
+
+
+CASES = {"gated-attention-qk": gated_attention_qk, "gdn-qk": gdn_qk, "moe-experts": moe_experts_one_token,
+         "fp8-down": fp8_down_one_token}
 
 
 def main() -> None:
