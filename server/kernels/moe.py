@@ -204,8 +204,23 @@ def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    hidden = (gate_up[flat_ids].float() * x_slots.float()).sum(-1)  # [T*k, 2I]
-    return down_and_combine(down[flat_ids].float(), swiglu(hidden), weights).to(x.dtype)
+    act = slot_swiglu(gate_up, flat_ids, x_slots)  # [T*k, I]
+    return down_and_combine(down[flat_ids].float(), act, weights).to(x.dtype)
+
+
+def slot_swiglu(gate_up: torch.Tensor, flat_ids: torch.Tensor, x_slots: torch.Tensor,
+                gate_up_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up of each token-expert slot -> [T*k, I] float32, gate and up as two reductions over H of the
+    same output shape: inductor runs them as one kernel with the SwiGLU as its epilogue, where one reduction over
+    [T*k, 2I] leaves the SwiGLU (which pairs two of its outputs) to a kernel of its own. Each half is gathered
+    for its own reduction: one gathered expression read by both would be stored, a copy of the weights.
+    gate_up [E, 2I, H], flat_ids [T*k], x_slots [T*k, 1, H], gate_up_scale [E, 2I] (FP8 row scales) or None."""
+    inter = gate_up.shape[1] // 2
+    halves = []
+    for rows in (slice(0, inter), slice(inter, None)):
+        half = (gate_up[:, rows][flat_ids].float() * x_slots.float()).sum(-1)  # [T*k, I]
+        halves.append(half if gate_up_scale is None else half * gate_up_scale[:, rows][flat_ids])
+    return F.silu(halves[0]) * halves[1]
 
 
 def down_and_combine(down_slots: torch.Tensor, act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from server.kernels.moe import (
     down_and_combine,
     moe_experts,
     slot_matvecs,
+    slot_swiglu,
     sort_by_expert,
     swiglu,
     use_gather_reduce,
@@ -86,9 +87,9 @@ def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale,
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    hidden = (gate_up_q[flat_ids].float() * x_slots.float()).sum(-1) * gate_up_scale[flat_ids]  # [T*k, 2I]
+    act = slot_swiglu(gate_up_q, flat_ids, x_slots, gate_up_scale)  # [T*k, I]
     down_slots = down_q[flat_ids].float() * down_scale[flat_ids].unsqueeze(-1)  # [T*k, H, I], scaled per row
-    return down_and_combine(down_slots, swiglu(hidden), weights).to(x.dtype)
+    return down_and_combine(down_slots, act, weights).to(x.dtype)
 
 
 def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from types import SimpleNamespace
 
@@ -203,3 +204,50 @@ def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
     eager_weights, eager_ids = _by_expert(*moe.route_softmax(logits, 4, True))
     assert torch.equal(expert_ids, eager_ids)
     torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
+
+
+def _stored_buffers(fn, *args) -> list[tuple[str, list[int]]]:
+    """(IR node kind, size) of every buffer inductor stores for `fn` compiled at these static shapes."""
+    from torch._inductor import graph as inductor_graph
+
+    stored, codegen = [], inductor_graph.GraphLowering.codegen
+
+    def record_then_codegen(graph, *rest, **kwargs):
+        stored.extend((type(b.data).__name__, [int(s) for s in b.get_size()])
+                      for b in graph.buffers if type(b).__name__ == "ComputedBuffer")
+        return codegen(graph, *rest, **kwargs)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), \
+            pytest.MonkeyPatch.context() as patch:
+        patch.setattr(inductor_graph.GraphLowering, "codegen", record_then_codegen)
+        torch.compile(fn, fullgraph=True, dynamic=False)(*args)
+    return stored
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gather_reduce_reads_each_chosen_expert_in_place_with_the_swiglu_beside_its_reductions(fp8):
+    """At one token: no copy of the chosen experts' weights is stored, and gate and up are reductions of the
+    SwiGLU's own shape [k, I] (so inductor makes the SwiGLU their epilogue, one kernel), then the down reduction."""
+    from server.kernels import moe_fp8
+
+    num_experts, hidden, inter, top_k = 16, 64, 32, 4
+    gate_up, down = _experts(num_experts, hidden, inter, torch.float32, seed=int.from_bytes(os.urandom(2), "little"))
+    if fp8:
+        (gate_up_q, gate_up_scale), (down_q, down_scale) = (moe_fp8.quantize_experts(w) for w in (gate_up, down))
+
+        def experts(x, weights, expert_ids):
+            return moe_fp8._experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q,
+                                                      down_scale)
+    else:
+        def experts(x, weights, expert_ids):
+            return moe._experts_gather_reduce(x, weights, expert_ids, gate_up, down)
+
+    weights, expert_ids = moe.route_softmax(torch.randn(1, num_experts), top_k, True)
+    stored = _stored_buffers(experts, torch.randn(1, hidden), weights, expert_ids)
+    assert max(len(size) for _, size in stored) <= 2  # nothing of [k, rows, H]: the weights are read in place
+    assert [kind for kind, size in stored if size == [top_k, inter]] == ["Reduction", "Reduction", "Pointwise"]
+    assert stored[-1] == ("Reduction", [1, hidden])  # down and the weighted combine, one reduction
