@@ -48,9 +48,10 @@ def run_ranks(kind: str, models: list[Path | str], tmp_path: Path, **extra) -> l
     spec = {"kind": kind, "models": [str(m) for m in models], "prompts": PROMPTS, "num_new": NUM_NEW,
             "out": str(out), **extra}
     ranks = start_ranks(spec, tmp_path)
-    for rank, proc in enumerate(ranks):
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"rank {rank} failed:\n{stderr[-3000:]}"
+    errors = [proc.communicate(timeout=120)[1] for proc in ranks]
+    failed = [f"rank {rank} failed:\n{err[-3000:]}" for rank, (proc, err) in enumerate(zip(ranks, errors, strict=True))
+              if proc.returncode != 0]
+    assert not failed, "\n".join(failed)  # every rank's error: the first to die is often not rank 0
     return torch.load(out)
 
 
