@@ -10,6 +10,8 @@ Eager, the product would materialize [M, N, K], so the form runs only under torc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,8 +44,8 @@ def row_reduction_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def reduces_one_token(device: torch.device, use_graphs: bool) -> bool:
     """Whether the decode step takes the row reduction for its one-token linears: where its kernels are launched
-    one by one and the GEMM library splits K (CUDA)."""
-    import os  # EXPERIMENT (removed after the A/B): blas | nographs | all
+    one by one and the GEMM library splits K (CUDA). `MPS_SERVE_GEMV_AB` (blas, nographs, all) is the A/B switch of
+    `benchmarks/h200_runs.sh gemvab`: it goes, with the losing form, once that has run on a GPU."""
     choice = os.environ.get("MPS_SERVE_GEMV_AB", "nographs")
     return device.type == "cuda" and (choice == "all" or (choice == "nographs" and not use_graphs))
 
