@@ -115,8 +115,8 @@ for case in "$@"; do
     gemvab) for run in ${GEMVAB_RUNS:-qwen3-30b-a3b:12:blas:off qwen3-30b-a3b:12:nographs:off llama-3.1-8b:0:blas:on,off llama-3.1-8b:0:all:on,off}; do
               IFS=: read -r p n c g <<< "$run"; layers=(); [ "$n" != 0 ] && layers=(--num-layers "$n")
               MPS_SERVE_GEMV_AB=$c timeout ${GEMVAB_LIMIT_S:-200} python3 -m server bench --preset "$p" "${layers[@]}" \
-                --batch-sizes 1 --graphs "$g" --json "$out/gemvab.jsonl" > "$out/gemvab-$p-$n-$c.log" 2>&1
-              echo "$run: exit $?" >> "$out/gemvab.txt"; grep -v '^{' "$out/gemvab-$p-$n-$c.log" | grep -i "tok/s\|warn\|error\|^ *[0-9]" >> "$out/gemvab.txt"; done ;;
+                --batch-sizes 1 --graphs "$g" --json "$out/gemvab-$p-$n-$c.jsonl" > "$out/gemvab-$p-$n-$c.log" 2>&1
+              echo "$run: exit $?" >> "$out/gemvab.txt"; grep -v '^{' "$out/gemvab-$p-$n-$c.log" | grep -iE "tok/s \(|kernels per|warn|error|^ *(on|off) " >> "$out/gemvab.txt"; done ;;
     *) echo "unknown case $case"; exit 2 ;;
   esac
   echo "== $case: exit $? after $((SECONDS - start)) s"
