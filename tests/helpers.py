@@ -115,6 +115,8 @@ def tiny_hybrid_configs() -> dict:
     mrope = dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
                  mrope_interleaved=True, mrope_section=[2, 1, 1])
     lt = ["conv", "full_attention", "conv", "full_attention"]
+    next_kw = dict(C, **hyb, **MOE, intermediate_size=128, shared_expert_intermediate_size=MOE["moe_intermediate_size"],
+                   norm_topk_prob=True, rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
     lfm = dict(C, tie_word_embeddings=True, num_hidden_layers=4, conv_L_cache=3, layer_types=lt,
                rope_parameters=dict(rope_type="default", rope_theta=1e6))
     return {
@@ -125,10 +127,11 @@ def tiny_hybrid_configs() -> dict:
         "qwen3_5_text": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(C, **hyb, intermediate_size=128,
                          rope_parameters=mrope)),
         "qwen3_5_moe_text": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(C, **hyb, **MOE,
-                             shared_expert_intermediate_size=64, rope_parameters=mrope)),
-        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(C, **hyb, **MOE, intermediate_size=128,
-                       shared_expert_intermediate_size=64, norm_topk_prob=True,
-                       rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))),
+                             shared_expert_intermediate_size=MOE["moe_intermediate_size"], rope_parameters=mrope)),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, next_kw),
+        # a shared expert wider than the routed ones: kept beside them, not as their last slot
+        "qwen3_next_wide_shared": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM,
+                                   dict(next_kw, shared_expert_intermediate_size=2 * MOE["moe_intermediate_size"])),
     }
 
 

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
 MAX_NUM_LAYERS = 10_000  # far past any real model; more would take minutes to build even on the meta device
+ROUTED = "routed experts"  # the fill key of a fused routed-experts tensor beside a shared expert's slot
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
@@ -152,6 +153,9 @@ class WeightLoader:
     def resolve(self, name: str) -> tuple[str, Any, Any] | None:
         """(parameter name, row index or None, fill key) that checkpoint tensor `name` goes to; None if none."""
         if name in self.params:
+            owner = self._module(name.rpartition(".")[0])
+            if getattr(owner, "shared_slot", None) is not None:  # the routed experts, fused: all but the shared slot
+                return name, slice(0, owner.shared_slot), ROUTED
             return name, None, None
         module_name, _, leaf = name.rpartition(".")
         parent_name, _, child = module_name.rpartition(".")
@@ -202,9 +206,14 @@ class WeightLoader:
         if hasattr(module, "source_names") and leaf == "weight":
             return [(i, _join(parent, src, "weight")) for i, src in enumerate(module.source_names)]
         if hasattr(module, "per_expert_names") and (param_name, None) not in self.filled:
-            names = module.per_expert_names
+            names, shared_slot = module.per_expert_names, getattr(module, "shared_slot", None)
             projs = [0, 1] if leaf == "gate_up_proj" else [2]
-            return [((e, p), f"{module_name}.{e}.{names[p]}.weight") for e in range(module.num_experts) for p in projs]
+            experts = range(module.num_experts)
+            pieces = []
+            if (param_name, ROUTED) in self.filled:  # the routed experts came fused; the shared slot per tensor
+                experts, pieces = [shared_slot], [(ROUTED, param_name)]
+            return pieces + [((e, p), f"{parent}.shared_expert.{names[p]}.weight" if e == shared_slot else
+                              f"{module_name}.{e}.{names[p]}.weight") for e in experts for p in projs]
         return [(None, param_name)]
 
 

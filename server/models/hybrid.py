@@ -10,6 +10,7 @@ never reaches its state (conv: the new state is gathered at the row's length; GD
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 import torch.nn.functional as F
@@ -207,7 +208,12 @@ class GatedAttention(nn.Module):
 
 class SharedExpertMoE(nn.Module):
     """Qwen3-Next / Qwen3.5 MoE: softmax router in fp32, top-k (renormalized), plus a shared SwiGLU expert
-    scaled by sigmoid(shared_expert_gate(x))."""
+    scaled by sigmoid(shared_expert_gate(x)).
+
+    Where the shared expert is as wide as the routed ones (every released model), it is the experts' last slot
+    (`experts.shared_slot`, filled from `shared_expert.*`: the model's `sanitize` renames them), and every token
+    routes to it with that weight: its FFN then runs inside the routed experts' kernels instead of three of its
+    own per layer. Otherwise it is a GatedMLP beside them."""
 
     routes_top_k = True  # as layers.SoftmaxMoE
 
@@ -215,14 +221,22 @@ class SharedExpertMoE(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
-        self.shared_expert = GatedMLP(hidden_size, shared_size)
+        if shares_expert_slot(intermediate_size, shared_size):
+            self.experts = FusedExperts(num_experts + 1, hidden_size, intermediate_size, shared_slot=num_experts)
+            self.shared_expert = None
+        else:
+            self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+            self.shared_expert = GatedMLP(hidden_size, shared_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
-        routed = self.experts(x, weights, expert_ids)
-        return routed + torch.sigmoid(self._shared_gate_logit(x)) * self.shared_expert(x)
+        shared_weight = torch.sigmoid(self._shared_gate_logit(x))  # [T, 1]
+        if self.shared_expert is not None:
+            return self.experts(x, weights, expert_ids) + shared_weight * self.shared_expert(x)
+        shared_ids = torch.full_like(expert_ids[:, :1], self.experts.shared_slot)  # [T, 1]
+        return self.experts(x, torch.cat((weights, shared_weight.to(weights.dtype)), dim=-1),
+                            torch.cat((expert_ids, shared_ids), dim=-1))
 
     def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
         """shared_expert_gate(x) [T, 1]. Compiled, a reduction over the hidden size that inductor generates with
@@ -230,6 +244,24 @@ class SharedExpertMoE(nn.Module):
         if not torch.compiler.is_compiling():
             return self.shared_expert_gate(x)
         return (x.float() * self.shared_expert_gate.weight.float()).sum(-1, keepdim=True).to(x.dtype)
+
+
+def shares_expert_slot(intermediate_size: int, shared_size: int) -> bool:
+    """Whether SharedExpertMoE keeps its shared expert as the experts' last slot (same width as the routed)."""
+    return shared_size == intermediate_size
+
+
+def shared_expert_slot_name(name: str, args) -> str:
+    """Checkpoint name -> ours for a SharedExpertMoE model (`args`: its ModelArgs): a shared expert's tensors
+    (`model.layers.N.mlp.shared_expert.gate_proj.weight`, its FP8 scales too) become those of the experts' last
+    slot (`model.layers.N.mlp.experts.{num_experts}.gate_proj.weight`) where the layer keeps it there."""
+    match = _SHARED_EXPERT_RE.match(name)
+    if match is None or not shares_expert_slot(args.moe_intermediate_size, args.shared_expert_intermediate_size):
+        return name
+    return f"{match['mlp']}.experts.{args.num_experts}.{match['rest']}"
+
+
+_SHARED_EXPERT_RE = re.compile(r"^(?P<mlp>model\.layers\.\d+\.mlp)\.shared_expert\.(?P<rest>(gate|up|down)_proj\..+)$")
 
 
 class SigmoidBiasMoE(nn.Module):

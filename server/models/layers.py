@@ -191,12 +191,15 @@ class FusedExperts(nn.Module):
     """All experts of one MoE layer: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
 
     Checkpoints store these fused (Qwen3.5) or per expert (`experts.{e}.{gate,up,down}_proj.weight`);
-    `per_expert_names` declares the latter for the loader.
+    `per_expert_names` declares the latter for the loader. `shared_slot`: the index of a shared expert kept as the
+    last expert (SharedExpertMoE), which a fused checkpoint tensor of the routed experts does not cover.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 shared_slot: int | None = None):
         super().__init__()
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_experts, self.intermediate_size, self.shared_slot = num_experts, intermediate_size, shared_slot
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.per_expert_names = per_expert_names

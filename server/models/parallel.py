@@ -234,7 +234,7 @@ def _shard_experts(experts: FusedExperts, layout: Layout) -> tuple[FusedExperts,
     size = experts.intermediate_size
     part = _part(size, layout, "expert FFN columns")
     hidden = experts.gate_up_proj.shape[-1]
-    local = FusedExperts(experts.num_experts, hidden, part[1] - part[0], experts.per_expert_names)
+    local = FusedExperts(experts.num_experts, hidden, part[1] - part[0], experts.per_expert_names, experts.shared_slot)
     gate, up, down = experts.per_expert_names
     return local, {f"*.{gate}.weight": rows(part), f"*.{up}.weight": rows(part), f"*.{down}.weight": Shard(1, (part,)),
                    "gate_up_proj": Shard(1, (part, _scaled(part, 1, size))), "down_proj": Shard(2, (part,))}
@@ -292,8 +292,8 @@ def _shard_block(module: nn.Module, name: str, layout: Layout, rules: dict[str, 
         rules[name] = _shard_short_conv(module, layout)
     elif isinstance(module, SoftmaxMoE | SigmoidBiasMoE | SharedExpertMoE):
         module.experts, rules[f"{name}.experts"] = _shard_experts(module.experts, layout)
-        if isinstance(module, SharedExpertMoE):  # its partial sum joins the routed one's all_reduce
-            rules[f"{name}.shared_expert"] = _shard_mlp(module.shared_expert, layout)
+        if isinstance(module, SharedExpertMoE) and module.shared_expert is not None:  # its partial sum joins
+            rules[f"{name}.shared_expert"] = _shard_mlp(module.shared_expert, layout)  # the routed one's all_reduce
     else:
         raise ValueError(f"{type(module).__name__} has no tensor-parallel form")
 

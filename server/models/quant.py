@@ -51,7 +51,7 @@ class Fp8FusedExperts(nn.Module):
     def __init__(self, experts: FusedExperts):
         super().__init__()
         self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
-        self.per_expert_names = experts.per_expert_names
+        self.per_expert_names, self.shared_slot = experts.per_expert_names, experts.shared_slot
         device = experts.gate_up_proj.device
         self.register_buffer("gate_up_proj", torch.empty(experts.gate_up_proj.shape, dtype=FP8_DTYPE, device=device))
         self.register_buffer("gate_up_scale", torch.ones(experts.gate_up_proj.shape[:2], device=device))
@@ -69,14 +69,15 @@ class Fp8FusedExperts(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, leaf: str, index, tensor: torch.Tensor) -> None:
-        """Quantize a checkpoint tensor (one expert's rows, or all experts) into `leaf`[index]."""
+        """Quantize a checkpoint tensor (one expert's rows, or several experts) into `leaf`[index]."""
         scale = self.gate_up_scale if leaf == "gate_up_proj" else self.down_scale
         target = getattr(self, leaf)
         tensor = tensor.to(target.device)
-        if index is None:
+        if tensor.dim() == 3:  # experts fused: all of them (index None), or the routed ones beside a shared slot
             quantized, row_scale = quantize_experts(tensor)
-            target.copy_(quantized)
-            scale.copy_(row_scale)
+            rows = slice(None) if index is None else index
+            target[rows].copy_(quantized)
+            scale[rows].copy_(row_scale)
             return
         quantized, row_scale = quantize_fp8_rowwise(tensor)
         target[index].copy_(quantized)

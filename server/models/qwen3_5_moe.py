@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from server.models import qwen3_5
-from server.models.hybrid import SharedExpertMoE
+from server.models.hybrid import SharedExpertMoE, shared_expert_slot_name
 
 
 @dataclass
@@ -36,3 +36,8 @@ class Model(qwen3_5.Model):
     def renormalize(self) -> bool:
         """Qwen3.5-MoE always renormalizes the top-k routing weights."""
         return True
+
+    def sanitize(self, name: str) -> str | None:
+        """As HybridModel's, and the shared expert's tensors go to the experts' last slot where it is kept there."""
+        name = super().sanitize(name)
+        return None if name is None else shared_expert_slot_name(name, self.args)

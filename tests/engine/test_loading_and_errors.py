@@ -154,3 +154,17 @@ def test_hub_repo_id_from_a_hand_made_offline_cache(llama, tmp_path):
     code = "from server.engine.weights import resolve_model_path; resolve_model_path('tiny-org/not-cached')"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "not in the Hugging Face cache" in done.stderr
+
+
+@pytest.mark.parametrize("missing", ["model.layers.2.mlp.shared_expert.up_proj.weight",
+                                     "model.layers.0.mlp.experts.3.down_proj.weight"])
+def test_a_missing_shared_or_routed_expert_tensor_is_named(missing, hybrid_checkpoint, tmp_path):
+    """Qwen3-Next keeps its shared expert as the experts' last slot; a checkpoint without one of its tensors (or
+    a routed expert's) is refused with the checkpoint's own name for it."""
+    path, _ = hybrid_checkpoint("qwen3_next")
+    state = merged_state(path)
+    assert missing in state
+    path = copy_checkpoint(path, tmp_path / "missing")
+    rewrite_single_file(path, {k: v for k, v in state.items() if k != missing})
+    with pytest.raises(ModelLoadError, match=f"missing tensors: {missing.replace('.', '[.]')}$"):
+        Engine.from_pretrained(str(path), **ENGINE_KW)

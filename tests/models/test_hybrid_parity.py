@@ -22,7 +22,7 @@ from server.models import layers as layers_mod
 from tests.helpers import hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
 
-ARCHS = ["lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+ARCHS = ["lfm2", "lfm2_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "qwen3_next_wide_shared"]
 
 
 def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
@@ -116,6 +116,20 @@ def test_fused_experts_and_language_model_prefix_load(arch, prefix, nested, hybr
     ids = random_ids(40, seed=5)
     ours = make_engine(fused).score(ids)
     assert (ours - hf_logits(hf_model, ids)).abs().max().item() < 1e-4
+
+
+def test_fused_and_per_expert_checkpoints_quantize_to_the_same_fp8_experts(hybrid_checkpoint, tmp_path):
+    """Qwen3.5-MoE's routed experts stored fused fill all but the experts' last slot (the shared expert's, from
+    its own tensors): quantized to FP8 while loading, the same bytes and scales as from per-expert tensors."""
+    path, _ = hybrid_checkpoint("qwen3_5_moe_text")
+    fused = tmp_path / "fused"
+    _rewrite_checkpoint(path, fused, "model.language_model.", "qwen3_5_moe")
+    per_expert, from_fused = (make_engine(p, quantization="fp8").model.model.layers[1].mlp.experts for p in (path, fused))
+    assert from_fused.shared_slot == from_fused.num_experts - 1
+    for name in ("gate_up_proj", "gate_up_scale", "down_proj", "down_scale"):
+        a, b = getattr(per_expert, name), getattr(from_fused, name)
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b), name
 
 
 @pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text", "qwen3_next"])
