@@ -72,8 +72,10 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
             continue  # embedding lookups read B rows, not the table
         owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         if _is_expert_tensor(owner, tensor):
-            experts += size
-            num_experts = owner.num_experts
+            shared = size // owner.num_experts if getattr(owner, "shared_slot", None) is not None else 0
+            dense += shared  # a shared expert kept as the experts' last slot is read every step
+            experts += size - shared
+            num_experts = owner.num_experts - (1 if shared else 0)
         else:
             dense += size
     top_k = int(getattr(model.args, "num_experts_per_tok", 0) or 0) if num_experts else 0
