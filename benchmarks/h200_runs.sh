@@ -29,7 +29,7 @@
 #              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py),
 #              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
 #   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
-#   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B and Llama-3.1-8B (full widths)
+#   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
 #              to CPPWRAPPER_LIMIT_S; benchmarks/launch_wrapper_bench.py): the host's cost per launched kernel
@@ -92,7 +92,7 @@ for case in "$@"; do
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
-    layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b}; do
+    layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
               timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
                 --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
             cat "$out"/layers-*.txt > "$out/layers.txt" ;;
