@@ -10,6 +10,7 @@ gate_up_proj, fused experts by name).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -77,13 +78,13 @@ class OurWeights:
         self.device, self.seed = device, seed
         self._cached: tuple[str, torch.Tensor] | None = None  # q, k, v rows of one qkv_proj: generate it once
 
-    def value_for(self, hf_name: str) -> torch.Tensor | None:
-        """The value of transformers' tensor `hf_name` (a full tensor or a row block of one of ours); None if
-        it has no counterpart in our model."""
+    def value_for(self, hf_name: str, shape: Sequence[int]) -> torch.Tensor | None:
+        """The value of transformers' tensor `hf_name` of `shape` (a full tensor or a row block of one of ours);
+        None if it has no counterpart in our model."""
         name = self.meta_model.sanitize(hf_name)
         if name is None:
             return None
-        target = self.loader.resolve(name)
+        target = self.loader.resolve(name, shape)
         if target is None:
             return self._full(name) if name in self.tensors else None
         param_name, index, _key = target
@@ -107,7 +108,7 @@ def copy_our_weights_into(hf_model: nn.Module, hf_config: dict[str, Any], dtype:
     params = {id(p) for p in hf_model.parameters()}
     kept, missing = [], []
     for name, tensor in persistent_tensors(hf_model).items():
-        value = ours.value_for(name) if tensor.is_floating_point() else None
+        value = ours.value_for(name, tensor.shape) if tensor.is_floating_point() else None
         if value is None:
             (missing if id(tensor) in params else kept).append(name)
             continue

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +128,9 @@ class WeightLoader:
         self.bare_decoder = False  # tensors named without `model.`: a checkpoint of the decoder alone, no LM head
 
     def load(self, name: str, tensor: torch.Tensor) -> None:
-        target = self.resolve(name)
+        target = self.resolve(name, tensor.shape)
         if target is None and not name.startswith("model."):  # embedding checkpoints (e.g. Qwen3-Embedding)
-            target = self.resolve(f"model.{name}")
+            target = self.resolve(f"model.{name}", tensor.shape)
             self.bare_decoder = self.bare_decoder or target is not None
         if target is None:
             log.debug("ignoring checkpoint tensor %s", name)
@@ -150,12 +150,13 @@ class WeightLoader:
             dest.copy_(tensor)
         self.filled.add((param_name, key))
 
-    def resolve(self, name: str) -> tuple[str, Any, Any] | None:
-        """(parameter name, row index or None, fill key) that checkpoint tensor `name` goes to; None if none."""
+    def resolve(self, name: str, shape: Sequence[int] | None = None) -> tuple[str, Any, Any] | None:
+        """(parameter name, row index or None, fill key) that checkpoint tensor `name` (of `shape`, where known)
+        goes to; None if none."""
         if name in self.params:
-            owner = self._module(name.rpartition(".")[0])
-            if getattr(owner, "shared_slot", None) is not None:  # the routed experts, fused: all but the shared slot
-                return name, slice(0, owner.shared_slot), ROUTED
+            shared_slot = getattr(self._module(name.rpartition(".")[0]), "shared_slot", None)
+            if shared_slot is not None and shape is not None and shape[0] == shared_slot:  # the routed experts fused:
+                return name, slice(0, shared_slot), ROUTED  # all but the shared expert's slot
             return name, None, None
         module_name, _, leaf = name.rpartition(".")
         parent_name, _, child = module_name.rpartition(".")

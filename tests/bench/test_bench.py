@@ -175,8 +175,11 @@ def test_cuda_kernels_count_graph_replays_and_refuse_untraced_ones():
         measure._count_cuda_kernels(_Trace([launch, *others]))
 
 
-def test_transformers_gets_exactly_our_random_weights():
-    config = presets.load_preset("tiny-moe").hf_config
+@pytest.mark.parametrize("which", ["tiny-moe", "qwen3_5_moe_text"])
+def test_transformers_gets_exactly_our_random_weights(which):
+    """Qwen3.5-MoE: transformers' fused routed experts and its shared expert, which ours keeps as the experts'
+    last slot."""
+    config = presets.load_preset("tiny-moe").hf_config if which == "tiny-moe" else _tiny_hybrid_config(which)
     ours = build_random_model(config, torch.device("cpu"), torch.float32, seed=3)
     engine = Engine.from_model(ours, EngineConfig(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20,
                                                   max_num_batched_tokens=16), torch.device("cpu"))
@@ -194,10 +197,10 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor  # fp8 has no equal on CPU
 
 
-def _tiny_qwen3_next_config() -> dict:
+def _tiny_hybrid_config(arch: str) -> dict:
     from tests.helpers import tiny_hybrid_configs
 
-    cfg_cls, _, kwargs = tiny_hybrid_configs()["qwen3_next"]
+    cfg_cls, _, kwargs = tiny_hybrid_configs()[arch]
     return cfg_cls(**kwargs).to_dict()
 
 
@@ -207,7 +210,7 @@ def test_fp8_random_build_equals_quantizing_the_bf16_build(which):
     exactly those of quantizing the unquantized random model afterwards."""
     from server.models.quant import quantize_model
 
-    config = presets.load_preset("tiny-moe").hf_config if which == "tiny-moe" else _tiny_qwen3_next_config()
+    config = presets.load_preset("tiny-moe").hf_config if which == "tiny-moe" else _tiny_hybrid_config("qwen3_next")
     cpu = torch.device("cpu")
     direct = build_random_model(config, cpu, torch.bfloat16, seed=4, quantization="fp8")
     post_hoc = quantize_model(build_random_model(config, cpu, torch.bfloat16, seed=4))
