@@ -38,8 +38,6 @@
 #   nographs48 Qwen3-30B-A3B, batch 1, without CUDA graphs as the engine builds that step, cold then warm compile cache
 #              (NOGRAPHS48_COLD_S, 400 s, then 130 s): the C++ wrapper's build time and what a restart reuses
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
-#   gemvab     EXPERIMENT: the one-token row reduction (MPS_SERVE_GEMV_AB=blas|nographs|all) against cuBLAS,
-#              GEMVAB_RUNS="preset:layers:choice:graphs ...", each up to GEMVAB_LIMIT_S (200 s)
 #   hybrids    Qwen3.6-35B-A3B and LFM2.5-8B-A1B, batch 1, CUDA graphs (HYBRIDS_GRAPHS: on, off or on,off), no peer,
 #              each up to HYBRIDS_LIMIT_S (270 s)
 set -u
@@ -112,11 +110,6 @@ for case in "$@"; do
     hybrids) for p in qwen3.6-35b-a3b lfm2.5-8b-a1b; do
                timeout ${HYBRIDS_LIMIT_S:-270} python3 -m server bench --preset $p --batch-sizes 1 --graphs ${HYBRIDS_GRAPHS:-on} \
                  --json "$out/hybrids.jsonl" >> "$out/hybrids.txt" 2>&1; echo "$p: exit $?" >> "$out/hybrids.txt"; done ;;
-    gemvab) for run in ${GEMVAB_RUNS:-qwen3-30b-a3b:12:blas:off qwen3-30b-a3b:12:nographs:off llama-3.1-8b:0:blas:on,off llama-3.1-8b:0:all:on,off}; do
-              IFS=: read -r p n c g <<< "$run"; layers=(); [ "$n" != 0 ] && layers=(--num-layers "$n")
-              MPS_SERVE_GEMV_AB=$c timeout ${GEMVAB_LIMIT_S:-200} python3 -m server bench --preset "$p" "${layers[@]}" \
-                --batch-sizes 1 --graphs "$g" --json "$out/gemvab-$p-$n-$c.jsonl" > "$out/gemvab-$p-$n-$c.log" 2>&1
-              echo "$run: exit $?" >> "$out/gemvab.txt"; grep -v '^{' "$out/gemvab-$p-$n-$c.log" | grep -iE "tok/s \(|kernels per|warn|error|^ *(on|off) " >> "$out/gemvab.txt"; done ;;
     *) echo "unknown case $case"; exit 2 ;;
   esac
   echo "== $case: exit $? after $((SECONDS - start)) s"

@@ -161,7 +161,7 @@ class DecodeGraphs:
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
         fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
-        gemv.prefer_row_reduction(model, gemv.reduces_one_token(device, self.use_graphs))
+        gemv.prefer_row_reduction(model, gemv.reduces_one_token(device))
         # Launched kernel by kernel, the C++ wrapper saves host time per kernel; its step inlines the layers.
         self.compiled = LaunchCompiled(self.step.forward, "the decode step",
                                        None if self.use_graphs else self.step.forward_layers_inline,

@@ -1,16 +1,14 @@
-"""A dense linear whose one-token product, in a compiled step, can be one reduction over K instead of a GEMM
-library call.
+"""A dense linear whose one-token product, in a compiled step, is one reduction over K instead of a GEMM library
+call.
 
 At one token cuBLAS runs a linear with few outputs for its inputs (o_proj, down_proj: out <= in) as a split-K
 GEMV plus a kernel that sums the splits; written as `(x * W).sum(-1)`, inductor lowers it to one reduction
-kernel that reads W once (Triton on CUDA). Only where the decode step's kernels are launched one by one from the
-host (CUDA without graphs), where every kernel costs host time; MPS's GEMV behind F.linear is one kernel already.
-Eager, the product would materialize [M, N, K], so the form runs only under torch.compile.
+kernel that reads W once (Triton on CUDA), which was faster end to end with and without CUDA graphs
+(docs/PERF.md, session 27). MPS's GEMV behind F.linear is one kernel already, and keeps it. Eager, the product
+would materialize [M, N, K], so the form runs only under torch.compile.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +40,10 @@ def row_reduction_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out.to(x.dtype)
 
 
-def reduces_one_token(device: torch.device, use_graphs: bool) -> bool:
-    """Whether the decode step takes the row reduction for its one-token linears: where its kernels are launched
-    one by one and the GEMM library splits K (CUDA). `MPS_SERVE_GEMV_AB` (blas, nographs, all) is the A/B switch of
-    `benchmarks/h200_runs.sh gemvab`: it goes, with the losing form, once that has run on a GPU."""
-    choice = os.environ.get("MPS_SERVE_GEMV_AB", "nographs")
-    return device.type == "cuda" and (choice == "all" or (choice == "nographs" and not use_graphs))
+def reduces_one_token(device: torch.device) -> bool:
+    """Whether the decode step takes the row reduction for its one-token linears: where the GEMM library splits K
+    (CUDA)."""
+    return device.type == "cuda"
 
 
 def prefer_row_reduction(model: nn.Module, preferred: bool) -> None:

@@ -283,8 +283,8 @@ def test_a_moe_whose_few_slots_threshold_is_two_sequences_compiles_every_batch(t
 
 
 def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkpoint, monkeypatch):
-    """Llama's o_proj and down_proj as one-token row reductions in the batch-1 step (the form CUDA without graphs
-    takes, forced here on the CPU): the eager tokens, and the step did trace the reductions."""
+    """Llama's o_proj and down_proj as one-token row reductions in the batch-1 step (the form CUDA takes, forced
+    here on the CPU): the eager tokens, and the step did trace the reductions."""
     from server.kernels import gemv
 
     path, hf_model = tiny_checkpoint("llama")
@@ -295,7 +295,7 @@ def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkp
     traced = []  # the weight shapes of the row reductions dynamo traced (recorded at trace time, no guard on it)
     record = torch._dynamo.assume_constant_result(lambda rows, cols: traced.append((rows, cols)) or 0)
     reduction = gemv.row_reduction_linear
-    monkeypatch.setattr(gemv, "reduces_one_token", lambda device, use_graphs: not use_graphs)
+    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
     monkeypatch.setattr(gemv, "row_reduction_linear", lambda x, w, b: reduction(x, w, b) + record(*w.shape))
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert [compiled.generate(p, params).token_ids for p in prompts] == expected
