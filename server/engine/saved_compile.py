@@ -2,9 +2,10 @@
 
 torch's AOT precompile (`aot_compile`) saves what dynamo makes of a function (the code that calls the graph and
 the guards that say when it applies) together with inductor's output (the graph's kernels) in one file. A warm
-start then skips dynamo's trace, which it repeats otherwise: inductor's own caches only skip the compile after it. Each saved entry is one traced graph with its guards, as dynamo's own
-cache keeps them (a batch of one, a symbolic batch): a call runs the first entry whose guards pass and traces a
-new one, saved beside the others, where none does.
+start then skips dynamo's trace, which it repeats otherwise: inductor's own caches only skip the compile after
+it. Each saved entry is one traced graph with its guards, as dynamo's own cache keeps them (a batch of one, a
+symbolic batch): a call runs the first entry whose guards pass and traces a new one, saved beside the others,
+where none does.
 
 Tracing for the store runs inductor's lowering again where inductor's FX graph cache would have skipped it, so
 the compile child saves the entries (`save_only`: traced on its fakes, never run), and the serving process loads

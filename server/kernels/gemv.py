@@ -17,14 +17,14 @@ from torch import nn
 
 class RowReductionLinear(nn.Linear):
     """nn.Linear (same parameters and names) whose one-token product in a compiled step is one reduction where
-    `reduces_one_token` is set (prefer_row_reduction)."""
-
-    reduces_one_token = False
+    the device's GEMM library would split K (`reduces_one_token`) and out_features <= in_features (the shapes it
+    splits)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_tokens = x.numel() // x.shape[-1]
-        if self.reduces_one_token and torch.compiler.is_compiling() and isinstance(num_tokens, int) and num_tokens == 1:
-            return row_reduction_linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling() and self.out_features <= self.in_features and reduces_one_token(x.device):
+            num_tokens = x.numel() // x.shape[-1]
+            if isinstance(num_tokens, int) and num_tokens == 1:
+                return row_reduction_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -41,14 +41,5 @@ def row_reduction_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def reduces_one_token(device: torch.device) -> bool:
-    """Whether the decode step takes the row reduction for its one-token linears: where the GEMM library splits K
-    (CUDA)."""
+    """Whether one-token linears take the row reduction on `device`: where the GEMM library splits K (CUDA)."""
     return device.type == "cuda"
-
-
-def prefer_row_reduction(model: nn.Module, preferred: bool) -> None:
-    """Set the one-token form of every RowReductionLinear in `model` with out_features <= in_features (the shapes
-    the GEMM library splits K for)."""
-    for module in model.modules():
-        if isinstance(module, RowReductionLinear):
-            module.reduces_one_token = preferred and module.out_features <= module.in_features

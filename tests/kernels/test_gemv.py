@@ -7,10 +7,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from server.kernels import gemv
-from server.kernels.gemv import RowReductionLinear, prefer_row_reduction
+from server.kernels.gemv import RowReductionLinear
 
 
 def _fresh_generator() -> torch.Generator:
@@ -29,8 +28,14 @@ def _compiled_ir_nodes(fn, *args):
     return out, metrics.ir_nodes_pre_fusion
 
 
+@pytest.fixture
+def reducing_device(monkeypatch):
+    """The CPU taken for a device whose GEMM library splits K (CUDA), as the compiled step there sees it."""
+    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(bias):
+def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(bias, reducing_device):
     """At one token, compiled: the product of the input's producer (a cheap product, which inductor would inline
     and recompute for every output row) is stored, then one reduction; the values are F.linear's."""
     gen = _fresh_generator()
@@ -38,36 +43,29 @@ def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(b
     with torch.no_grad():
         for param in layer.parameters():
             param.copy_(torch.randn(param.shape, generator=gen))
-    prefer_row_reduction(layer, True)
     a, b = torch.randn(1, 1, 96, generator=gen), torch.randn(1, 1, 96, generator=gen)
     got, num_nodes = _compiled_ir_nodes(lambda a, b: layer(a * b), a, b)
     torch.testing.assert_close(got, F.linear(a * b, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert num_nodes == 2 + bias  # the product, the reduction (and the bias add, fused into its kernel)
 
 
-def test_more_tokens_eager_and_unpreferred_layers_take_linear(monkeypatch):
-    layer = RowReductionLinear(32, 16)
-    prefer_row_reduction(layer, True)
+def test_only_one_token_compiled_with_no_more_outputs_than_inputs_on_a_reducing_device_reduces(monkeypatch):
     taken = []
-    monkeypatch.setattr(gemv, "row_reduction_linear", lambda *args: taken.append(args) or F.linear(*args))
-    x = torch.randn(2, 32)
-    torch.testing.assert_close(layer(x[:1]), F.linear(x[:1], layer.weight, layer.bias))  # eager: no reduction
-    _compiled_ir_nodes(layer, x)  # two tokens
+    monkeypatch.setattr(gemv, "row_reduction_linear", lambda *args: taken.append(args[1].shape) or F.linear(*args))
+    layers = {"o_proj": RowReductionLinear(64, 64), "down": RowReductionLinear(128, 64),
+              "wide": RowReductionLinear(64, 128)}
+    one_token = {name: torch.randn(1, layer.in_features) for name, layer in layers.items()}
+    for name, layer in layers.items():  # the CPU's GEMM splits nothing: F.linear
+        _compiled_ir_nodes(layer, one_token[name])
     assert not taken
-    _compiled_ir_nodes(layer, x[:1])
-    assert len(taken) == 1
-    prefer_row_reduction(layer, False)
-    _compiled_ir_nodes(layer, x[:1])
-    assert len(taken) == 1
-
-
-def test_only_layers_with_no_more_outputs_than_inputs_and_a_preferring_step_reduce():
-    model = nn.ModuleDict({"o_proj": RowReductionLinear(64, 64), "down": RowReductionLinear(128, 64),
-                           "wide": RowReductionLinear(64, 128), "router": nn.Linear(64, 8)})
-    prefer_row_reduction(model, True)
-    assert [name for name, m in model.items() if getattr(m, "reduces_one_token", None)] == ["o_proj", "down"]
-    prefer_row_reduction(model, False)
-    assert not any(getattr(m, "reduces_one_token", False) for m in model.values())
+    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
+    for name, layer in layers.items():
+        torch.testing.assert_close(layer(one_token[name]), F.linear(one_token[name], layer.weight, layer.bias))  # eager
+        _compiled_ir_nodes(layer, torch.randn(2, layer.in_features))  # two tokens
+    assert not taken
+    for name, layer in layers.items():
+        _compiled_ir_nodes(layer, one_token[name])
+    assert taken == [(64, 64), (64, 128)]  # o_proj and down; the wide layer keeps F.linear
 
 
 def test_the_decode_step_reduces_only_on_cuda():
