@@ -52,7 +52,8 @@ def paged_attention(
     if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     if meta.is_decode:
-        return gathered_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
+        decode = reduced_decode_attention if _reduces_decode() else gathered_decode_attention
+        return decode(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
     k_seq, v_seq = (_gather_blocks(cache, meta.block_tables) for cache in (k_cache, v_cache))
     key_pos = torch.arange(k_seq.shape[2], device=q.device)
     mask = key_pos[None, None, :] <= meta.query_positions[:, :, None]  # [num_seqs, max_q_len, max_kv_len]
@@ -75,6 +76,34 @@ def gathered_decode_attention(
     visible = torch.arange(k_seq.shape[2], device=q.device)[None, :] <= positions[:, None]  # [num_seqs, max_kv_len]
     out = attention_reference(q[:, :, None], k_seq, v_seq, visible[:, None, None], scale)
     return out[:, :, 0]  # [num_seqs, heads, head_dim]
+
+
+def _reduces_decode() -> bool:
+    import os  # experiment switch
+
+    return torch.compiler.is_compiling() and os.environ.get("MPS_SERVE_DECODE_ATTN") != "gathered"
+
+
+def reduced_decode_attention(
+    q: torch.Tensor,  # [num_seqs, heads, head_dim]: one query per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    positions: torch.Tensor,  # [num_seqs]: keys 0..position are visible
+    scale: float,
+) -> torch.Tensor:
+    """gathered_decode_attention as two reductions (q.k over head_dim, p.v over the keys) and a softmax: compiled,
+    the block gathers become indirect loads inside them, so no copy of a sequence's K/V and no KV head repeated
+    for its query group is stored. Eagerly the products would be stored whole: compiled steps only."""
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    keys, values = (_gather_blocks(cache, block_tables)[:, :, None].float() for cache in (k_cache, v_cache))
+    q_groups = q.view(num_seqs, kv_heads, num_heads // kv_heads, 1, head_dim).float()
+    scores = (q_groups * keys).sum(-1) * scale  # [num_seqs, kv_heads, group, kv_len]
+    hidden = torch.arange(scores.shape[-1], device=q.device)[None, :] > positions[:, None]  # [num_seqs, kv_len]
+    probs = torch.softmax(scores.masked_fill(hidden[:, None, None], float("-inf")), dim=-1)
+    out = (probs[..., None] * values).sum(-2)  # [num_seqs, kv_heads, group, head_dim]
+    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
