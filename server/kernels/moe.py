@@ -24,8 +24,6 @@ inductor fuses into one kernel.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -95,8 +93,7 @@ def fuses_top_k(top_k: int, fuse: bool = True) -> bool:
     kernel of its own per layer. Only where the decoder layer compiles once for all layers (`fuse`: the caller's
     layer is such a region): generating that kernel is slow, and inline layers pay it once per layer (48 routers:
     55 s instead of 18 s on the CPU)."""
-    forced = os.environ.get("MPS_SERVE_FUSE_TOPK") == "1"  # experiment: fused in every compiled step
-    return torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K and (forced or (fuse and compat.regions_compile_once()))
+    return fuse and torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K and compat.regions_compile_once()
 
 
 def _top_k_rounds(scores: torch.Tensor, top_k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

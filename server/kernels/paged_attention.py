@@ -4,9 +4,10 @@ Cache layout per layer: one `[num_blocks, block_size, 2, num_kv_heads, head_dim]
 (see write_kv). A step's tokens come flat; `meta` (server.models.base.AttentionMetadata, passed
 duck-typed to keep kernels free of models) maps them onto a padded `[num_seqs, max_q_len]` query view.
 
-Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
+Four forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled batch-1 decode step on CUDA can use `flex_decode_attention` (one
-FlexAttention kernel); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
+FlexAttention kernel); any other compiled decode step reads the blocks in place inside two reductions
+(`reduced_decode_attention`); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def paged_attention(
     if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     if meta.is_decode:
-        decode = reduced_decode_attention if _reduces_decode() else gathered_decode_attention
+        decode = reduced_decode_attention if torch.compiler.is_compiling() else gathered_decode_attention
         return decode(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
     k_seq, v_seq = (_gather_blocks(cache, meta.block_tables) for cache in (k_cache, v_cache))
     key_pos = torch.arange(k_seq.shape[2], device=q.device)
@@ -76,12 +77,6 @@ def gathered_decode_attention(
     visible = torch.arange(k_seq.shape[2], device=q.device)[None, :] <= positions[:, None]  # [num_seqs, max_kv_len]
     out = attention_reference(q[:, :, None], k_seq, v_seq, visible[:, None, None], scale)
     return out[:, :, 0]  # [num_seqs, heads, head_dim]
-
-
-def _reduces_decode() -> bool:
-    import os  # experiment switch
-
-    return torch.compiler.is_compiling() and os.environ.get("MPS_SERVE_DECODE_ATTN") != "gathered"
 
 
 def reduced_decode_attention(

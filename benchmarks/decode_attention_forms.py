@@ -1,0 +1,79 @@
+"""Decode attention in its two compiled forms side by side: two reductions over the paged cache read in place (what
+a compiled decode step without FlexAttention runs) against each sequence's blocks gathered into a copy, KV heads
+repeated for their query groups, then SDPA with a boolean mask (the eager form). The gathered run replaces
+`paged_attention.reduced_decode_attention` in this process only: a measurement, not a setting.
+
+    PYTHONPATH=. python3 benchmarks/decode_attention_forms.py --op --device cpu
+    PYTHONPATH=. python3 benchmarks/decode_attention_forms.py -- --preset llama-3.1-8b --batch-sizes 1,16 --graphs off
+
+--op times the attention alone (both forms compiled with dynamic shapes, Qwen3-30B-A3B's heads by default) at a few
+context lengths. Otherwise the arguments after `--` go to `mps-serve bench`, run twice in one process: the engine's
+form, then the gathered one (a flex batch-1 step on CUDA is the same in both runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from server import cli
+from server.kernels import paged_attention
+
+
+def time_ops(device: str, heads: int, kv_heads: int, head_dim: int, batch: int, contexts: list[int], reps: int) -> None:
+    block_size = 16
+    for context in contexts:
+        num_blocks = context // block_size
+        gen = torch.Generator().manual_seed(context)
+        k_cache, v_cache = (torch.randn(batch * num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device)
+                            for _ in range(2))
+        tables = (torch.randperm(batch * num_blocks, generator=gen) + 1).view(batch, num_blocks).to(device)
+        positions = torch.full((batch,), context - 3, device=device)
+        q = torch.randn(batch, heads, head_dim, generator=gen).to(device)
+        args = (q, k_cache, v_cache, tables, positions, head_dim**-0.5)
+        reference = paged_attention.gathered_decode_attention(*args)
+        for name in ("reduced_decode_attention", "gathered_decode_attention"):
+            step = torch.compile(getattr(paged_attention, name), dynamic=True)
+            error = (step(*args) - reference).abs().max().item()
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(reps):
+                step(*args)
+            _sync(device)
+            micros = (time.perf_counter() - start) / reps * 1e6
+            print(f"{device} batch {batch} context {context:6d}  {name:26s} {micros:9.1f} us  max diff {error:.1e}")
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        getattr(torch, device).synchronize()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--op", action="store_true", help="time the attention alone instead of the engine")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--contexts", default="256,2048", help="comma-separated KV lengths (multiples of 16)")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("bench_args", nargs="*", help="after --: mps-serve bench's arguments")
+    args = parser.parse_args(argv)
+    if args.op:
+        contexts = [int(n) for n in args.contexts.split(",")]
+        time_ops(args.device, args.heads, args.kv_heads, args.head_dim, args.batch, contexts, args.reps)
+        return 0
+    print("== decode attention as the engine compiles it (two reductions where flex does not run)", flush=True)
+    status = cli.main(["bench", *args.bench_args])
+    paged_attention.reduced_decode_attention = paged_attention.gathered_decode_attention
+    print("== decode attention gathered into copies, then SDPA", flush=True)
+    return status or cli.main(["bench", *args.bench_args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
