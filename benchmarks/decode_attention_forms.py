@@ -23,28 +23,28 @@ from server import cli
 from server.kernels import paged_attention
 
 
-def time_ops(device: str, heads: int, kv_heads: int, head_dim: int, batch: int, contexts: list[int], reps: int) -> None:
+def time_ops(device: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, batch: int, contexts: list[int], reps: int) -> None:
     block_size = 16
     for context in contexts:
         num_blocks = context // block_size
         gen = torch.Generator().manual_seed(context)
-        k_cache, v_cache = (torch.randn(batch * num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device)
+        k_cache, v_cache = (torch.randn(batch * num_blocks + 1, block_size, kv_heads, head_dim, generator=gen).to(device, dtype)
                             for _ in range(2))
         tables = (torch.randperm(batch * num_blocks, generator=gen) + 1).view(batch, num_blocks).to(device)
         positions = torch.full((batch,), context - 3, device=device)
-        q = torch.randn(batch, heads, head_dim, generator=gen).to(device)
+        q = torch.randn(batch, heads, head_dim, generator=gen).to(device, dtype)
         args = (q, k_cache, v_cache, tables, positions, head_dim**-0.5)
         reference = paged_attention.gathered_decode_attention(*args)
         for name in ("reduced_decode_attention", "gathered_decode_attention"):
             step = torch.compile(getattr(paged_attention, name), dynamic=True)
-            error = (step(*args) - reference).abs().max().item()
+            error = (step(*args) - reference).float().abs().max().item()
             _sync(device)
             start = time.perf_counter()
             for _ in range(reps):
                 step(*args)
             _sync(device)
             micros = (time.perf_counter() - start) / reps * 1e6
-            print(f"{device} batch {batch} context {context:6d}  {name:26s} {micros:9.1f} us  max diff {error:.1e}")
+            print(f"{device} {dtype} batch {batch} context {context:6d}  {name:26s} {micros:9.1f} us  max diff {error:.1e}")
 
 
 def _sync(device: str) -> None:
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--op", action="store_true", help="time the attention alone instead of the engine")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.op:
         contexts = [int(n) for n in args.contexts.split(",")]
-        time_ops(args.device, args.heads, args.kv_heads, args.head_dim, args.batch, contexts, args.reps)
+        time_ops(args.device, getattr(torch, args.dtype), args.heads, args.kv_heads, args.head_dim, args.batch, contexts, args.reps)
         return 0
     print("== decode attention as the engine compiles it (two reductions where flex does not run)", flush=True)
     status = cli.main(["bench", *args.bench_args])
