@@ -4,10 +4,9 @@ Cache layout per layer: one `[num_blocks, block_size, 2, num_kv_heads, head_dim]
 (see write_kv). A step's tokens come flat; `meta` (server.models.base.AttentionMetadata, passed
 duck-typed to keep kernels free of models) maps them onto a padded `[num_seqs, max_q_len]` query view.
 
-Four forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
+Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled batch-1 decode step on CUDA can use `flex_decode_attention` (one
-FlexAttention kernel); any other compiled decode step reads the blocks in place inside two reductions
-(`reduced_decode_attention`); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
+FlexAttention kernel); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
 """
 
 from __future__ import annotations
@@ -53,8 +52,7 @@ def paged_attention(
     if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     if meta.is_decode:
-        decode = reduced_decode_attention if torch.compiler.is_compiling() else gathered_decode_attention
-        return decode(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
+        return gathered_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
     k_seq, v_seq = (_gather_blocks(cache, meta.block_tables) for cache in (k_cache, v_cache))
     key_pos = torch.arange(k_seq.shape[2], device=q.device)
     mask = key_pos[None, None, :] <= meta.query_positions[:, :, None]  # [num_seqs, max_q_len, max_kv_len]
@@ -77,28 +75,6 @@ def gathered_decode_attention(
     visible = torch.arange(k_seq.shape[2], device=q.device)[None, :] <= positions[:, None]  # [num_seqs, max_kv_len]
     out = attention_reference(q[:, :, None], k_seq, v_seq, visible[:, None, None], scale)
     return out[:, :, 0]  # [num_seqs, heads, head_dim]
-
-
-def reduced_decode_attention(
-    q: torch.Tensor,  # [num_seqs, heads, head_dim]: one query per sequence
-    k_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
-    positions: torch.Tensor,  # [num_seqs]: keys 0..position are visible
-    scale: float,
-) -> torch.Tensor:
-    """gathered_decode_attention as two reductions (q.k over head_dim, p.v over the keys) and a softmax: compiled,
-    the block gathers become indirect loads inside them, so no copy of a sequence's K/V and no KV head repeated
-    for its query group is stored. Eagerly the products would be stored whole: compiled steps only."""
-    num_seqs, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    keys, values = (_gather_blocks(cache, block_tables)[:, :, None].float() for cache in (k_cache, v_cache))
-    q_groups = q.view(num_seqs, kv_heads, num_heads // kv_heads, 1, head_dim).float()
-    scores = (q_groups * keys).sum(-1) * scale  # [num_seqs, kv_heads, group, kv_len]
-    hidden = torch.arange(scores.shape[-1], device=q.device)[None, :] > positions[:, None]  # [num_seqs, kv_len]
-    probs = torch.softmax(scores.masked_fill(hidden[:, None, None], float("-inf")), dim=-1)
-    out = (probs[..., None] * values).sum(-2)  # [num_seqs, kv_heads, group, head_dim]
-    return out.view(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

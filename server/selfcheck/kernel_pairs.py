@@ -19,12 +19,7 @@ import torch.nn.functional as F
 from server.kernels import fp8, gated_delta, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.flex_decode import decode_block_mask, flex_attention, flex_decode_attention
-from server.kernels.paged_attention import (
-    attention_reference,
-    fresh_prefill_attention,
-    gathered_decode_attention,
-    reduced_decode_attention,
-)
+from server.kernels.paged_attention import attention_reference, fresh_prefill_attention, gathered_decode_attention
 from server.selfcheck.results import FAIL, PASS, SKIP, Check, attempt, bounded
 
 SECTION = "kernels"
@@ -60,9 +55,8 @@ def kernel_checks(device: torch.device, dtype: torch.dtype, seed: int) -> list[C
         ("fp8_weight_only", lambda: check_fp8_weight_only(device, dtype, Inputs(seed + 9))),
         ("moe_experts", lambda: check_moe(device, dtype, Inputs(seed + 1))),
         ("moe_experts_fp8", lambda: check_moe_fp8(device, dtype, Inputs(seed + 2))),
-        ("decode_attention_sdpa", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), "sdpa")),
-        ("decode_attention_reduced", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), "reduced")),
-        ("decode_attention_flex", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), "flex")),
+        ("decode_attention_sdpa", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), flex=False)),
+        ("decode_attention_flex", lambda: check_decode_attention(device, dtype, Inputs(seed + 3), flex=True)),
         ("prefill_attention", lambda: check_prefill_attention(device, dtype, Inputs(seed + 4))),
         ("gated_delta_chunked", lambda: check_gated_delta(device, dtype, Inputs(seed + 5), seq_len=70)),
         ("gated_delta_step", lambda: check_gated_delta(device, dtype, Inputs(seed + 6), seq_len=1)),
@@ -152,21 +146,20 @@ def _paged_case(inputs: Inputs, block_size=16, num_blocks=24, kv_heads=2, heads=
     return q, k_cache, v_cache, tables, positions
 
 
-def check_decode_attention(device, dtype, inputs: Inputs, form: str) -> Check:
-    """form: sdpa (eager decode), reduced (the compiled step's math, run eagerly) or flex."""
-    name = f"decode_attention_{form}"
-    if form == "flex" and flex_attention is None:
+def check_decode_attention(device, dtype, inputs: Inputs, flex: bool) -> Check:
+    name = "decode_attention_flex" if flex else "decode_attention_sdpa"
+    if flex and flex_attention is None:
         return Check(SECTION, name, SKIP, f"torch {torch.__version__} has no FlexAttention")
     q, k_cache, v_cache, tables, positions = _paged_case(inputs)
     scale = q.shape[-1] ** -0.5
     on_device = [t.to(device, dtype) for t in (q, k_cache, v_cache)] + [t.to(device) for t in (tables, positions)]
-    if form == "flex":  # eager here (torch warns that it is unfused); the compiled form is checked with the decode step
+    if flex:  # eager here (torch warns that it is unfused); the compiled form is checked with the decode step
         mask = decode_block_mask(on_device[3], on_device[4], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             out = flex_decode_attention(*on_device[:3], mask, scale)
     else:
-        out = (reduced_decode_attention if form == "reduced" else gathered_decode_attention)(*on_device, scale)
+        out = gathered_decode_attention(*on_device, scale)
     ref = gathered_decode_attention(*(t.to(dtype).double() for t in (q, k_cache, v_cache)), tables, positions, scale)
     return bounded(SECTION, name, rel_err(out, ref), model_dtype_bound(dtype))
 

@@ -87,18 +87,17 @@ def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_l
 
 def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, monkeypatch):
     """The batch-1 decode graph is traced apart from larger batches (size 1 is static), so it can carry its own
-    attention: with flex chosen, batch 1 has FlexAttention, batch 2 the reduction form (its softmax); neither has
-    SDPA. Traced only: the CPU has no compiled flex-decoding kernel, which is the only form whose listed-blocks mask
-    is right."""
+    attention: with flex chosen, batch 1 has FlexAttention and no SDPA, batch 2 SDPA. Traced only: the CPU has no
+    compiled flex-decoding kernel, which is the only form whose listed-blocks mask is right."""
     import torch
 
-    traced = []  # (batch, SDPA, softmax, flex in the graph) per graph dynamo hands to the backend
+    traced = []  # (batch, SDPA in the graph, flex in the graph) per graph dynamo hands to the backend
 
     def backend(graph_module, example_inputs):
         packed = next(t for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2)
         # the decoder layers are nested regions: their code is in submodules of the step's graph
         code = "\n".join(m.code for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule))
-        traced.append((packed.shape[0], *(name in code for name in ("scaled_dot_product", "softmax", "flex_attention"))))
+        traced.append((packed.shape[0], "scaled_dot_product_attention" in code, "flex_attention" in code))
         return graph_module.forward
 
     compile_ = torch.compile
@@ -111,7 +110,7 @@ def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, mo
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for prompts in ([random_ids(13, 4)], [random_ids(n, n) for n in (5, 9)]):
         compiled.generate(prompts, params)
-    assert set(traced) == {(1, False, False, True), (2, False, True, False)}, traced
+    assert set(traced) == {(1, False, True), (2, True, False)}, traced
 
 
 def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):

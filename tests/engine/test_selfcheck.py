@@ -14,7 +14,7 @@ import torch
 from server.selfcheck import decode, kernel_pairs
 from server.selfcheck.results import FAIL, PASS, SKIP
 
-KERNEL_CHECKS = {"fp8_linear", "fp8_weight_only", "moe_experts", "moe_experts_fp8", "decode_attention_sdpa", "decode_attention_reduced", "decode_attention_flex",
+KERNEL_CHECKS = {"fp8_linear", "fp8_weight_only", "moe_experts", "moe_experts_fp8", "decode_attention_sdpa", "decode_attention_flex",
                  "prefill_attention", "gated_delta_chunked", "gated_delta_step", "causal_conv1d", "sampling"}
 
 

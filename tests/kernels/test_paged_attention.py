@@ -7,13 +7,7 @@ import torch
 
 from server.kernels import flex_decode
 from server.kernels.flex_decode import decode_block_mask
-from server.kernels.paged_attention import (
-    gathered_decode_attention,
-    paged_attention,
-    prefill_sdpa_backends,
-    reduced_decode_attention,
-    write_kv,
-)
+from server.kernels.paged_attention import gathered_decode_attention, paged_attention, prefill_sdpa_backends, write_kv
 from server.models.base import AttentionMetadata
 
 
@@ -89,29 +83,6 @@ def test_decode_form_matches(seed):
     meta.is_decode = True  # one query per sequence: the decode form, query rows taken as views
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("seed, lens", [(9, [(11, 1), (2, 1), (30, 1)]), (10, [(0, 1)]), (11, [(7, 1), (40, 1)])])
-def test_compiled_decode_attention_is_the_reduction_form(seed, lens):
-    """Inside torch.compile the decode form is two reductions over the blocks read in place (no SDPA traced), in
-    inductor's code as in eager; grouped heads (4 per KV head), sequences ending mid-block."""
-    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, lens, heads=8, kv_heads=2)
-    k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
-    meta.is_decode = True
-    scale = q.shape[-1] ** -0.5
-    eager = reduced_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], scale)
-    assert (eager - expected).abs().max() < 1e-5
-    traced = []
-
-    def backend(graph_module, example_inputs):
-        traced.append(graph_module.code)
-        return torch._inductor.compile(graph_module, example_inputs)
-
-    step = torch.compile(lambda q, k_cache, v_cache: paged_attention(q, q, q, k_cache, v_cache, meta, scale),
-                         backend=backend, fullgraph=True)
-    out = step(q, k_cache, v_cache)
-    assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
-    assert "softmax" in traced[0] and "scaled_dot_product" not in traced[0]
 
 
 @pytest.mark.parametrize("lens", [[(0, 9)], [(0, 7), (0, 3), (0, 12)]])
