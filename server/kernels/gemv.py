@@ -3,9 +3,9 @@ call.
 
 At one token cuBLAS runs a linear with few outputs for its inputs (o_proj, down_proj: out <= in) as a split-K
 GEMV plus a kernel that sums the splits; written as `(x * W).sum(-1)`, inductor lowers it to one reduction
-kernel that reads W once (Triton on CUDA), which was faster end to end with and without CUDA graphs
-(docs/PERF.md, session 27). MPS's GEMV behind F.linear is one kernel already, and keeps it. Eager, the product
-would materialize [M, N, K], so the form runs only under torch.compile.
+kernel that reads W once (Triton on CUDA), faster end to end with and without CUDA graphs (docs/PERF.md).
+MPS's GEMV behind F.linear is one kernel already, and keeps it. Eager, the product would materialize [M, N, K], so
+the form runs only under torch.compile.
 """
 
 from __future__ import annotations
