@@ -101,9 +101,16 @@ def fresh_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA with a boolean mask; KV heads are shared by `heads // kv_heads` query heads (GQA)."""
-    num_groups = q.shape[1] // k.shape[1]
-    if num_groups > 1:
-        k = k.repeat_interleave(num_groups, dim=1)
-        v = v.repeat_interleave(num_groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """SDPA of `q [num_seqs, heads, q_len, head_dim]` over `k`, `v [num_seqs, kv_heads, kv_len, head_dim]` with a
+    boolean mask broadcastable to `[num_seqs, 1, q_len, kv_len]`. Each KV head serves `heads // kv_heads` query
+    heads (GQA): the group is folded into SDPA's query axis, so every backend reads each KV head once, with no
+    repeated copy of K/V and no GQA support asked of the kernel."""
+    num_seqs, heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    num_groups = heads // kv_heads
+    mask = mask.expand(num_seqs, 1, q_len, kv_len)
+    if num_groups > 1:  # query head h reads KV head h // num_groups
+        q = q.reshape(num_seqs, kv_heads, num_groups * q_len, head_dim)
+        mask = mask[:, :, None].expand(num_seqs, 1, num_groups, q_len, kv_len).reshape(num_seqs, 1, num_groups * q_len, kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(num_seqs, heads, q_len, head_dim)
