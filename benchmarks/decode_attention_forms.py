@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from server import cli
+from server.engine import saved_compile
 from server.kernels import paged_attention
 
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         contexts = [int(n) for n in args.contexts.split(",")]
         time_ops(args.device, getattr(torch, args.dtype), args.heads, args.kv_heads, args.head_dim, args.batch, contexts, args.reps)
         return 0
+    saved_compile.saves_compiles = lambda: False  # else the second run would load the first one's step (same sources)
     print("== decode attention as the engine compiles it (query groups folded into SDPA's query axis)", flush=True)
     status = cli.main(["bench", *args.bench_args])
     paged_attention.attention_reference = repeated_attention
