@@ -84,7 +84,9 @@ def prefill_warm_up_runs(decode_through_prefill: bool, hybrid: bool, vocab_size:
     several run through the same forward, so those too."""
     runs = [[[1]], [[1], [2]]] if decode_through_prefill else []
     budget = max_num_batched_tokens
-    shapes = [(1, 3), (1, budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]  # (prompts, prompt length)
+    # (prompts, prompt length); a prompt alone continues in a full chunk, then a short one (torch specializes a
+    # batch of one sequence)
+    shapes = [(1, 3), (1, 2 * budget + 2), (2, 2), (2, budget // 2), (2, budget + 3)]
     if hybrid:  # the chunked GDN specializes on one chunk or more and on padding, and each decoder layer
         # compiles apart (a graph break around the GDN chunk loop): a long tail too
         shapes += [(n, length) for n in (1, 2) for length in (CHUNK_SIZE, CHUNK_SIZE + 6)]
