@@ -6,7 +6,8 @@ duck-typed to keep kernels free of models) maps them onto a padded `[num_seqs, m
 
 Three forms: a step whose sequences all start at position 0 (a fresh prompt's first chunk) attends over its
 own K/V with causal SDPA; the compiled batch-1 decode step on CUDA can use `flex_decode_attention` (one
-FlexAttention kernel); everything else gathers each sequence's blocks and runs SDPA with a boolean mask.
+FlexAttention kernel); everything else gathers each sequence's blocks and runs SDPA with a boolean mask, each KV
+head's query group as SDPA's query rows (attention_reference).
 """
 
 from __future__ import annotations
