@@ -66,17 +66,20 @@ def layer_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     return torch.stack((k_cache, v_cache), dim=2).contiguous()
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_mixed_prefill_and_decode_batch(seed):
-    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)])
+@pytest.mark.parametrize("seed, heads, kv_heads", [(0, 4, 2), (1, 4, 2), (2, 4, 2), (6, 3, 3), (7, 6, 2), (8, 4, 1)])
+def test_mixed_prefill_and_decode_batch(seed, heads, kv_heads):
+    """Each KV head's query group folded into SDPA's query rows, for groups of 1 (no GQA) to 4, with the
+    chunks' causal masks."""
+    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)], heads=heads,
+                                                            kv_heads=kv_heads)
     k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_decode_form_matches(seed):
-    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(11, 1), (2, 1), (30, 1)])
+@pytest.mark.parametrize("seed, heads, kv_heads", [(3, 4, 2), (4, 4, 2), (9, 2, 2), (10, 8, 2)])
+def test_decode_form_matches(seed, heads, kv_heads):
+    q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(11, 1), (2, 1), (30, 1)], heads=heads, kv_heads=kv_heads)
     k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
     out = gathered_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
