@@ -7,8 +7,8 @@ measurement, not a setting.
     PYTHONPATH=. python3 benchmarks/decode_attention_forms.py -- --preset llama-3.1-8b --batch-sizes 16 --graphs on
 
 --op times the decode attention alone (gathered blocks, compiled with dynamic shapes, Qwen3-30B-A3B's heads by
-default) at a few context lengths. Otherwise the arguments after `--` go to `mps-serve bench`, run twice in one
-process: the engine's form, then the repeated one (a flex batch-1 step on CUDA is the same in both runs).
+default) at a few context lengths. Otherwise the arguments after `--` go to `mps-serve bench`, run once per form
+of --forms in one process (a flex batch-1 step on CUDA is the same in every run).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--contexts", default="256,2048", help="comma-separated KV lengths (multiples of 16)")
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--forms", default="folded,repeated", help="which forms run end to end, in this order")
     parser.add_argument("bench_args", nargs="*", help="after --: mps-serve bench's arguments")
     args = parser.parse_args(argv)
     if args.op:
@@ -85,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         time_ops(args.device, getattr(torch, args.dtype), args.heads, args.kv_heads, args.head_dim, args.batch, contexts, args.reps)
         return 0
     saved_compile.saves_compiles = lambda: False  # else the second run would load the first one's step (same sources)
-    print("== decode attention as the engine compiles it (query groups folded into SDPA's query axis)", flush=True)
-    status = cli.main(["bench", *args.bench_args])
-    paged_attention.attention_reference = repeated_attention
-    print("== decode attention with KV heads repeated for their query groups, then SDPA", flush=True)
-    return status or cli.main(["bench", *args.bench_args])
+    folded, status = paged_attention.attention_reference, 0
+    for form in args.forms.split(","):
+        paged_attention.attention_reference = {"folded": folded, "repeated": repeated_attention}[form]
+        print(f"== decode attention, GQA {form}", flush=True)
+        status = status or cli.main(["bench", *args.bench_args])
+    return status
 
 
 if __name__ == "__main__":

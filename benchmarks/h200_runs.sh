@@ -40,7 +40,8 @@
 #   llamaown   Llama-3.1-8B, batch 1, with and without CUDA graphs, no peer (fits one call with a cold cache)
 #   gqaforms   decode attention's GQA, query groups folded into SDPA's query axis vs KV heads repeated: the op alone
 #              (Qwen3-30B-A3B's heads, batches 1 and 16), then Llama-3.1-8B end to end at batch 16 (GQAFORMS_GRAPHS, on),
-#              1,024-token prompts, both forms in one process (benchmarks/decode_attention_forms.py)
+#              1,024-token prompts, both forms in one process (benchmarks/decode_attention_forms.py; GQAFORMS_OP=off
+#              skips the op part, GQAFORMS_FORMS=repeated runs one form: a cold compile each, ~285 s on an H200)
 #   hybrids    Qwen3.6-35B-A3B and LFM2.5-8B-A1B, batch 1, CUDA graphs (HYBRIDS_GRAPHS: on, off or on,off), no peer,
 #              each up to HYBRIDS_LIMIT_S (270 s)
 set -u
@@ -110,9 +111,10 @@ for case in "$@"; do
                     --json "$out/nographs48.jsonl" >> "$out/nographs48.txt" 2>&1; echo "exit $?" >> "$out/nographs48.txt"; done ;;
     llamaown) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --graphs on,off \
                 --json "$out/llamaown.jsonl" > "$out/llamaown.txt" 2>&1 ;;
-    gqaforms) for b in 1 16; do python3 benchmarks/decode_attention_forms.py --op --batch $b --contexts 256,2048,8192 \
+    gqaforms) [ "${GQAFORMS_OP:-on}" = on ] && for b in 1 16; do python3 benchmarks/decode_attention_forms.py --op --batch $b --contexts 256,2048,8192 \
                 >> "$out/gqaforms.txt" 2>&1; done
-              timeout ${GQAFORMS_LIMIT_S:-480} python3 benchmarks/decode_attention_forms.py -- --preset ${GQAFORMS_PRESET:-llama-3.1-8b} \
+              timeout ${GQAFORMS_LIMIT_S:-480} python3 benchmarks/decode_attention_forms.py --forms ${GQAFORMS_FORMS:-folded,repeated} \
+                -- --preset ${GQAFORMS_PRESET:-llama-3.1-8b} \
                 --batch-sizes ${GQAFORMS_BATCHES:-16} --prompt-len 1024 --graphs ${GQAFORMS_GRAPHS:-on} --json "$out/gqaforms.jsonl" \
                 >> "$out/gqaforms.txt" 2>&1 ;;
     hybrids) for p in qwen3.6-35b-a3b lfm2.5-8b-a1b; do
