@@ -111,8 +111,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     num_groups = heads // kv_heads
     if num_groups > 1:  # query head h reads KV head h // num_groups
         q = q.reshape(num_seqs, kv_heads, num_groups * q_len, head_dim)
-        if q_len > 1:  # row g * q_len + t is query t's: its mask row, once per group member (one row broadcasts)
-            mask = mask.expand(num_seqs, 1, q_len, kv_len)[:, :, None].expand(num_seqs, 1, num_groups, q_len, kv_len)
-            mask = mask.reshape(num_seqs, 1, num_groups * q_len, kv_len)
+        if q_len > 1:  # row g * q_len + t is query t's: the mask's rows once per group member (one row broadcasts)
+            mask = mask.expand(num_seqs, 1, q_len, kv_len).repeat(1, 1, num_groups, 1)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return out.reshape(num_seqs, heads, q_len, head_dim)
