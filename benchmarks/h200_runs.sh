@@ -28,7 +28,13 @@
 #   stagedcheck greedy tokens served through every background-compile stage (graph captures beside replays) vs
 #              eager, tiny-moe with Qwen3's vocabulary (the sampler's scans at full width; staged_compile_check.py),
 #              float32 (STAGEDCHECK_DTYPE): bf16 near-ties among 151,936 logits flip greedy picks
-#   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py)
+#   breakdown  per-kernel decode breakdown of Qwen3-30B-A3B without graphs (benchmarks/decode_breakdown.py;
+#              BREAKDOWN_ARGS="--quantize fp8 --num-layers 12" adds to its arguments)
+#   fp8reduce  FP8 weight-only reductions at one token op by op beside bf16 and scaled_mm (Qwen3-30B-A3B's experts and
+#              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
+#              each also with inductor's coordinate descent tuning
+#   tuning     TUNING_PRESET (llama-3.1-8b) at batch 1, TUNING_QUANTIZE (fp8), TUNING_GRAPHS (off) end to end, with
+#              inductor's coordinate descent tuning off then on in one process (each a cold compile; TUNING_LIMIT_S)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
@@ -92,8 +98,15 @@ for case in "$@"; do
     fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
                 --json "$out/fp8forms.jsonl" > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
-    breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 \
+    breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
+    fp8reduce) timeout 200 python3 benchmarks/fp8_reduction_forms.py > "$out/fp8reduce.txt" 2>&1
+               for shape in "4096 128256" "4096 28672" "14336 4096"; do set -- $shape
+                 timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
+                   | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
+    tuning) timeout ${TUNING_LIMIT_S:-560} python3 benchmarks/fp8_reduction_forms.py --tuning off,on -- --preset ${TUNING_PRESET:-llama-3.1-8b} \
+              --batch-sizes 1 --quantize ${TUNING_QUANTIZE:-fp8} --graphs ${TUNING_GRAPHS:-off} ${TUNING_ARGS:-} \
+              --json "$out/tuning.jsonl" > "$out/tuning.txt" 2>&1 ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
               timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
                 --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done

@@ -1,0 +1,206 @@
+"""FP8 weight-only decode reductions at one token, op by op, beside their bf16 forms: a MoE layer's experts
+(gate/up with SwiGLU, down with the routing-weighted combine) and the lm_head, at Qwen3-30B-A3B's widths by default.
+Each form is compiled alone and timed as CUDA-graph replays of one call per layer copy (the copies and fresh
+expert ids keep the weights out of L2), so the figure is device time, not launch cost; `ideal` is the weight bytes
+over a device-to-device copy's bandwidth measured here. Forms marked `+cdt` compile with inductor's coordinate
+descent tuning of block sizes.
+
+    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py            # CUDA
+    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --device cpu --layers 2 --experts 8 --hidden 64 \
+        --inter 32 --vocab 256 --reps 2                               # a smoke run of the script
+    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --tuning off,on -- --preset qwen3-30b-a3b \
+        --batch-sizes 1 --quantize none,fp8 --graphs off              # end to end
+
+With --tuning, the arguments after `--` go to `mps-serve bench`, run once per setting in one process, the second with
+coordinate descent tuning switched on for every compile of this process only: a measurement, not a setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from server import cli
+from server.engine import saved_compile
+from server.kernels import moe, moe_fp8
+from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
+
+
+def down_two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+    """The down projection reduced per slot over I with its row scale as the epilogue, then the routing-weighted
+    sum over each token's slots: two reductions, no scale inside the long one."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
+    act = moe.slot_swiglu(gate_up_q, flat_ids, x_slots, gate_up_scale)  # [T*k, I]
+    y_slots = (down_q[flat_ids].float() * act.unsqueeze(1)).sum(-1) * down_scale[flat_ids]  # [T*k, H]
+    return (y_slots.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def down_upcast_bf16(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+    """The engine's FP8 form with every FP8 weight converted to bf16 before float32 (the hardware's FP8 -> bf16
+    conversion where it has one)."""
+    return moe_fp8._experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q.to(torch.bfloat16), gate_up_scale,
+                                              down_q.to(torch.bfloat16), down_scale)
+
+
+def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
+    """The first of the two expert kernels alone: silu(gate) * up per slot -> [T*k, I]."""
+    num_tokens, top_k = expert_ids.shape
+    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
+    scale = scale_and_down[0] if len(scale_and_down) == 3 else None
+    return moe.slot_swiglu(gate_up, expert_ids.reshape(-1), x_slots, scale)
+
+
+def expert_forms() -> dict:
+    """name -> (takes FP8 weights, form, compiled with coordinate descent tuning too)."""
+    return {
+        "bf16": (False, moe._experts_gather_reduce, True),
+        "bf16 gate/up only": (False, gate_up_only, False),
+        "fp8": (True, moe_fp8._experts_gather_reduce_fp8, True),
+        "fp8 gate/up only": (True, gate_up_only, True),
+        "fp8 two-stage down": (True, down_two_stage_fp8, True),
+        "fp8 via bf16": (True, down_upcast_bf16, False),
+    }
+
+
+def lm_head_forms() -> dict:
+    return {
+        "bf16 F.linear": (False, lambda x, w, s: F.linear(x, w)),
+        "fp8 weight-only": (True, lambda x, w, s: fp8_weight_only_linear(x, w, s, None, x.dtype)),
+        "fp8 scaled_mm": (True, lambda x, w, s: fp8_linear(*quantize_activation(x), w, s, None, x.dtype)),
+    }
+
+
+def device_micros(device: str, fn, calls: list[tuple], reps: int) -> float:
+    """Device time per call: on CUDA the calls captured in one graph and replayed, else wall time."""
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(reps):
+            for args in calls:
+                fn(*args)
+        return (time.perf_counter() - start) / reps / len(calls) * 1e6
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for args in calls:
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for args in calls:
+            fn(*args)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / reps / len(calls)
+
+
+def copy_gbps(device: str) -> float:
+    src = torch.empty(1 << (32 if device == "cuda" else 28), dtype=torch.uint8, device=device)  # as the bench measures
+    dst = torch.empty_like(src)
+    micros = device_micros(device, lambda: dst.copy_(src), [()] * 4, 10)
+    return 2 * src.numel() / micros / 1e3
+
+
+def compiled(fn, tuned: bool):
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False, options={"coordinate_descent_tuning": True} if tuned else None)
+
+
+def run_experts(args, device: str, dtype: torch.dtype, gbps: float) -> None:
+    gen = torch.Generator(device=device).manual_seed(0)
+    num_experts, hidden, inter, k = args.experts, args.hidden, args.inter, args.top_k
+    layers = []
+    for _ in range(args.layers):
+        gate_up = torch.randn(num_experts, 2 * inter, hidden, device=device, dtype=dtype, generator=gen) * hidden**-0.5
+        down = torch.randn(num_experts, hidden, inter, device=device, dtype=dtype, generator=gen) * inter**-0.5
+        layers.append((gate_up, down, *moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down)))
+    calls = []
+    for gate_up, down, gate_up_q, gate_up_scale, down_q, down_scale in layers:
+        x = torch.randn(1, hidden, device=device, dtype=dtype, generator=gen)
+        expert_ids = torch.randperm(num_experts, device=device, generator=gen)[:k].view(1, k)
+        weights = torch.softmax(torch.randn(1, k, device=device, generator=gen), -1).to(dtype)
+        calls.append(((x, weights, expert_ids, gate_up, down), (x, weights, expert_ids, gate_up_q, gate_up_scale,
+                                                                 down_q, down_scale)))
+    reference = moe_fp8.moe_experts_fp8_reference(*calls[0][1]).float()
+    for name, (is_fp8, form, tune_too) in expert_forms().items():
+        for tuned in (False, True) if tune_too else (False,):
+            fn = compiled(form, tuned)
+            form_calls = [call[1] if is_fp8 else call[0] for call in calls]
+            out = fn(*form_calls[0]).float()
+            error = (out - reference).abs().max().item() if out.shape == reference.shape else float("nan")
+            micros = device_micros(device, fn, form_calls, args.reps)
+            weight_bytes = (2 if "gate/up" in name else 3) * k * hidden * inter * (1 if is_fp8 else dtype.itemsize)
+            report(f"experts {name}{' +cdt' if tuned else ''}", micros, weight_bytes, gbps, error)
+
+
+def run_lm_head(args, device: str, dtype: torch.dtype, gbps: float) -> None:
+    gen = torch.Generator(device=device).manual_seed(1)
+    weight = torch.randn(args.vocab, args.hidden, device=device, dtype=dtype, generator=gen) * args.hidden**-0.5
+    weight_q, weight_scale = quantize_fp8_rowwise(weight)
+    x = torch.randn(1, args.hidden, device=device, dtype=dtype, generator=gen)
+    reference = x.float() @ (weight_q.float() * weight_scale).t()
+    for name, (is_fp8, form) in lm_head_forms().items():
+        for tuned in (False, True) if "weight-only" in name else (False,):
+            fn = compiled(form, tuned)
+            call = (x, weight_q, weight_scale) if is_fp8 else (x, weight, None)
+            error = (fn(*call).float() - reference).abs().max().item()
+            micros = device_micros(device, fn, [call] * 4, args.reps)
+            report(f"lm_head {name}{' +cdt' if tuned else ''}", micros, weight.numel() * (1 if is_fp8 else dtype.itemsize),
+                   gbps, error)
+
+
+def report(name: str, micros: float, weight_bytes: int, gbps: float, error: float) -> None:
+    ideal = weight_bytes / gbps / 1e3
+    print(f"{name:34s} {micros:9.1f} us  ideal {ideal:8.1f} us  {ideal / micros:6.1%}  max err {error:.3g}", flush=True)
+
+
+def bench_tuning(settings: list[str], bench_args: list[str]) -> int:
+    saved_compile.saves_compiles = lambda: False  # else the second run would load the first one's step (same sources)
+    status = 0
+    for setting in settings:
+        torch._inductor.config.coordinate_descent_tuning = setting == "on"
+        os.environ["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1" if setting == "on" else "0"  # compile children
+        print(f"== coordinate descent tuning {setting}", flush=True)
+        status = status or cli.main(["bench", *bench_args])
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--layers", type=int, default=16, help="layer copies per graph (keeps weights out of L2)")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=768)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--only", choices=["experts", "lm_head"], default=None)
+    parser.add_argument("--tuning", default=None, help="end to end: off,on (in this order) runs the bench per setting")
+    parser.add_argument("bench_args", nargs="*", help="after --: mps-serve bench's arguments")
+    args = parser.parse_args(argv)
+    if args.tuning:
+        return bench_tuning(args.tuning.split(","), args.bench_args)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    gbps = copy_gbps(args.device)
+    print(f"torch {torch.__version__} on {args.device}, {dtype}; copy {gbps:.0f} GB/s", flush=True)
+    if args.only in (None, "experts"):
+        run_experts(args, args.device, dtype, gbps)
+    if args.only in (None, "lm_head"):
+        run_lm_head(args, args.device, dtype, gbps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
