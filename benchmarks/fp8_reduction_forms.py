@@ -8,11 +8,12 @@ descent tuning of block sizes.
     PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py            # CUDA
     PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --device cpu --layers 2 --experts 8 --hidden 64 \
         --inter 32 --vocab 256 --reps 2                               # a smoke run of the script
-    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --tuning off,on -- --preset qwen3-30b-a3b \
+    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --tuning off,on,weightonly -- --preset qwen3-30b-a3b \
         --batch-sizes 1 --quantize none,fp8 --graphs off              # end to end
 
-With --tuning, the arguments after `--` go to `mps-serve bench`, run once per setting in one process, the second with
-coordinate descent tuning switched on for every compile of this process only: a measurement, not a setting.
+With --tuning, the arguments after `--` go to `mps-serve bench`, run once per setting (off, on, weightonly) in one
+process: `on` switches coordinate descent tuning on for every compile of this process, `weightonly` also reads every
+FP8 linear at one token in the weight-only reduction where graphs replay the step: measurements, not settings.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from server import cli
 from server.engine import saved_compile
-from server.kernels import moe, moe_fp8
+from server.kernels import fp8, moe, moe_fp8
 from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
 
 
@@ -166,12 +167,18 @@ def report(name: str, micros: float, weight_bytes: int, gbps: float, error: floa
 
 
 def bench_tuning(settings: list[str], bench_args: list[str]) -> int:
+    """The bench once per setting: `off` as the engine builds, `on` with coordinate descent tuning, `weightonly`
+    with the tuning and every one-token FP8 linear in the weight-only reduction (the engine takes `scaled_mm`
+    where a CUDA graph replays the step)."""
     saved_compile.saves_compiles = lambda: False  # else the second run would load the first one's step (same sources)
-    status = 0
+    engine_choice, status = fp8.prefer_weight_only, 0
     for setting in settings:
-        torch._inductor.config.coordinate_descent_tuning = setting == "on"
-        os.environ["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1" if setting == "on" else "0"  # compile children
-        print(f"== coordinate descent tuning {setting}", flush=True)
+        tuned = setting in ("on", "weightonly")
+        torch._inductor.config.coordinate_descent_tuning = tuned
+        os.environ["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1" if tuned else "0"  # compile children
+        fp8.prefer_weight_only = ((lambda model, preferred: engine_choice(model, True)) if setting == "weightonly"
+                                  else engine_choice)
+        print(f"== {setting}: coordinate descent tuning {'on' if tuned else 'off'}", flush=True)
         status = status or cli.main(["bench", *bench_args])
     return status
 
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", choices=["experts", "lm_head"], default=None)
-    parser.add_argument("--tuning", default=None, help="end to end: off,on (in this order) runs the bench per setting")
+    parser.add_argument("--tuning", default=None, help="end to end: off,on,weightonly (any of them, in order): the bench per setting")
     parser.add_argument("bench_args", nargs="*", help="after --: mps-serve bench's arguments")
     args = parser.parse_args(argv)
     if args.tuning:

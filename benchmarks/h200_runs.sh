@@ -34,7 +34,8 @@
 #              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
 #              each also with inductor's coordinate descent tuning
 #   tuning     TUNING_PRESET (llama-3.1-8b) at batch 1, TUNING_QUANTIZE (fp8), TUNING_GRAPHS (off) end to end, with
-#              inductor's coordinate descent tuning off then on in one process (each a cold compile; TUNING_LIMIT_S)
+#              inductor's coordinate descent tuning off then on in one process (each a cold compile; TUNING_LIMIT_S);
+#              TUNING_SETTINGS=off,on,weightonly adds a run that also takes the FP8 weight-only form where graphs replay
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
@@ -104,7 +105,7 @@ for case in "$@"; do
                for shape in "4096 128256" "4096 28672" "14336 4096"; do set -- $shape
                  timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
-    tuning) timeout ${TUNING_LIMIT_S:-560} python3 benchmarks/fp8_reduction_forms.py --tuning off,on -- --preset ${TUNING_PRESET:-llama-3.1-8b} \
+    tuning) timeout ${TUNING_LIMIT_S:-560} python3 benchmarks/fp8_reduction_forms.py --tuning ${TUNING_SETTINGS:-off,on} -- --preset ${TUNING_PRESET:-llama-3.1-8b} \
               --batch-sizes 1 --quantize ${TUNING_QUANTIZE:-fp8} --graphs ${TUNING_GRAPHS:-off} ${TUNING_ARGS:-} \
               --json "$out/tuning.jsonl" > "$out/tuning.txt" 2>&1 ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
