@@ -16,7 +16,7 @@ from server.engine import background_compile
 from server.engine.types import SamplingParams
 from server.kernels import compat, fp8, moe, moe_fp8, streams
 from server.kernels.capabilities import Probe, capabilities
-from tests.helpers import make_engine, random_ids
+from tests.helpers import make_engine, needs_cpu_scaled_mm, random_ids
 
 CPU = torch.device("cpu")
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -62,7 +62,7 @@ def _break(monkeypatch, name: str):
 
 @pytest.mark.parametrize("name, arch, quantization", [
     ("grouped_mm", "qwen3_moe", None),
-    ("fp8_rowwise", "llama", "fp8"),
+    pytest.param("fp8_rowwise", "llama", "fp8", marks=needs_cpu_scaled_mm),
     ("fp8_grouped", "qwen3_moe", "fp8"),
     ("streams", "qwen3", None),
 ])

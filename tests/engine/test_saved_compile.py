@@ -16,7 +16,7 @@ from server.engine import compile_worker, compiled_steps, saved_compile
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from tests.engine.test_compile_child import compile_beside_serving, with_child  # noqa: F401 - a fixture
-from tests.helpers import ENGINE_KW, random_ids
+from tests.helpers import ENGINE_KW, needs_saved_compiles, random_ids
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                                    reason="inductor needs a C compiler on the CPU")]
@@ -48,6 +48,7 @@ def restart(path) -> tuple[Engine, dict]:
     return Engine.from_pretrained(str(path), **ENGINE_KW, compile="on"), counters["stats"]
 
 
+@needs_saved_compiles
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "qwen3_next"])
 def test_a_restart_loads_the_saved_decode_step_traces_nothing_and_gives_the_eager_tokens(
         arch, tiny_checkpoint, hybrid_checkpoint, store, caplog):
@@ -68,6 +69,7 @@ def test_a_restart_loads_the_saved_decode_step_traces_nothing_and_gives_the_eage
     assert sorted(store.rglob("*.pt2")) == saved
 
 
+@needs_saved_compiles
 def test_an_entry_that_does_not_load_is_traced_again_with_a_warning(tiny_checkpoint, store, caplog):
     path = tiny_checkpoint("llama")[0]
     prompts = fresh_prompts()
@@ -95,6 +97,7 @@ class _Unsaveable:
         raise RuntimeError("backend output does not implement SerializableCallable")
 
 
+@needs_saved_compiles
 def test_a_step_that_cannot_be_saved_is_compiled_as_before_with_one_warning(tiny_checkpoint, store, monkeypatch,
                                                                            caplog):
     monkeypatch.setattr(saved_compile, "_compile", _Unsaveable)
@@ -131,6 +134,7 @@ def test_the_store_is_keyed_on_what_shapes_the_graphs_and_not_on_the_kv_memory_s
         assert SAVED_STEPS_DIR(other) != path, changed
 
 
+@needs_saved_compiles
 @pytest.mark.usefixtures("with_child")
 def test_the_compile_child_saves_the_decode_step_and_the_serving_process_only_loads_it(tiny_checkpoint, monkeypatch,
                                                                                       caplog):

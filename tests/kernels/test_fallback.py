@@ -11,6 +11,7 @@ import torch
 
 from server.kernels import compat, fp8, moe, moe_fp8, streams
 from server.kernels.capabilities import Probe, capabilities
+from tests.helpers import needs_cpu_scaled_mm
 
 CPU = torch.device("cpu")
 
@@ -62,6 +63,7 @@ def test_grouped_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, fre
     assert list(fresh_failures) == ["grouped_mm"]
 
 
+@needs_cpu_scaled_mm
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_fp8_scaled_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, fresh_failures, with_bias):
     assert capabilities(CPU).fp8_rowwise.ok and capabilities(CPU).fp8_rowwise_bias.ok

@@ -14,6 +14,7 @@ import torch
 
 from server.kernels import fp8, moe, moe_fp8
 from server.kernels.fp8_policy import fp8_speedup, plan_fp8_layers
+from tests.helpers import needs_cpu_scaled_mm
 
 FP8_LINEAR_BOUND = 6e-2  # both operands quantized, vs the bf16 product
 FP8_WEIGHT_ONLY_BOUND = 4e-2  # one weight quantized, activations not
@@ -70,8 +71,9 @@ def test_fp8_weight_only_matches_twin_and_bf16(with_bias):
     shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
 )
 @pytest.mark.parametrize("num_tokens, has_scaled_mm, preferred, weight_only",
-                         [(1, False, False, True), (1, True, True, True), (1, True, False, False),
-                          (fp8.WEIGHT_ONLY_MAX_TOKENS + 1, True, True, False)])
+                         [(1, False, False, True), (1, True, True, True),
+                          pytest.param(1, True, False, False, marks=needs_cpu_scaled_mm),
+                          pytest.param(fp8.WEIGHT_ONLY_MAX_TOKENS + 1, True, True, False, marks=needs_cpu_scaled_mm)])
 def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens, has_scaled_mm, preferred,
                                                                       weight_only, monkeypatch):
     """Compiled at one token where the runner prefers it (no graph replay) or the device has no row-wise
