@@ -26,7 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels import time_graph
 from server import cli
+from server.bench.measure import copy_bandwidth_gb_s
 from server.engine import saved_compile
 from server.kernels import fp8, moe, moe_fp8
 from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
@@ -37,8 +39,7 @@ def down_two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q,
     sum over each token's slots: two reductions, no scale inside the long one."""
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    act = moe.slot_swiglu(gate_up_q, flat_ids, x_slots, gate_up_scale)  # [T*k, I]
+    act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, top_k).unsqueeze(1), gate_up_scale)  # [T*k, I]
     y_slots = (down_q[flat_ids].float() * act.unsqueeze(1)).sum(-1) * down_scale[flat_ids]  # [T*k, H]
     return (y_slots.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
@@ -52,10 +53,8 @@ def down_upcast_bf16(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, d
 
 def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
     """The first of the two expert kernels alone: silu(gate) * up per slot -> [T*k, I]."""
-    num_tokens, top_k = expert_ids.shape
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
     scale = scale_and_down[0] if len(scale_and_down) == 3 else None
-    return moe.slot_swiglu(gate_up, expert_ids.reshape(-1), x_slots, scale)
+    return moe.slot_swiglu(gate_up, expert_ids.reshape(-1), moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1), scale)
 
 
 def expert_forms() -> dict:
@@ -79,38 +78,18 @@ def lm_head_forms() -> dict:
 
 
 def device_micros(device: str, fn, calls: list[tuple], reps: int) -> float:
-    """Device time per call: on CUDA the calls captured in one graph and replayed, else wall time."""
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(reps):
-            for args in calls:
-                fn(*args)
-        return (time.perf_counter() - start) / reps / len(calls) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for args in calls:
-            fn(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in calls:
-            fn(*args)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    """Device time per call: on CUDA the calls captured in one graph and replayed (benchmarks/kernels.py), else
+    wall time."""
+    if device == "cuda":
+        micros = time_graph(lambda i: fn(*calls[i % len(calls)]), len(calls), reps)
+        if isinstance(micros, str):
+            raise RuntimeError(micros)
+        return micros
+    start = time.perf_counter()
     for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / reps / len(calls)
-
-
-def copy_gbps(device: str) -> float:
-    src = torch.empty(1 << (32 if device == "cuda" else 28), dtype=torch.uint8, device=device)  # as the bench measures
-    dst = torch.empty_like(src)
-    micros = device_micros(device, lambda: dst.copy_(src), [()] * 4, 10)
-    return 2 * src.numel() / micros / 1e3
+        for args in calls:
+            fn(*args)
+    return (time.perf_counter() - start) / reps / len(calls) * 1e6
 
 
 def compiled(fn, tuned: bool):
@@ -200,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tuning:
         return bench_tuning(args.tuning.split(","), args.bench_args)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    gbps = copy_gbps(args.device)
+    gbps = copy_bandwidth_gb_s(torch.device(args.device), 4 << 30 if args.device == "cuda" else 256 << 20)  # as the bench
     print(f"torch {torch.__version__} on {args.device}, {dtype}; copy {gbps:.0f} GB/s", flush=True)
     if args.only in (None, "experts"):
         run_experts(args, args.device, dtype, gbps)

@@ -201,11 +201,14 @@ def _experts_gather_reduce(x, weights, expert_ids, gate_up, down):
     """For torch.compile only: inductor folds the expert gathers into the reductions, so every chosen expert's
     weights are read once and never copied. Eager would materialize [T*k, 2I, H] products: never call it
     uncompiled."""
-    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    act = slot_swiglu(gate_up, flat_ids, x_slots)  # [T*k, I]
+    act = slot_swiglu(gate_up, flat_ids, token_slots(x, expert_ids.shape[1]).unsqueeze(1))  # [T*k, I]
     return down_and_combine(down[flat_ids].float(), act, weights).to(x.dtype)
+
+
+def token_slots(x: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's row once per routed slot, in slot order: x [T, H] -> [T*k, H] (a view at one token)."""
+    return x.unsqueeze(1).expand(x.shape[0], top_k, x.shape[-1]).reshape(-1, x.shape[-1])
 
 
 def slot_swiglu(gate_up: torch.Tensor, flat_ids: torch.Tensor, x_slots: torch.Tensor,
@@ -244,8 +247,7 @@ def slot_matvecs(x, weights, gate_up_slots, down_slots):
     """Each token-expert slot's SwiGLU FFN as batched matvecs, with the experts' weights already gathered per
     slot: gate_up_slots [T*k, 2I, H], down_slots [T*k, H, I] -> routing-weighted sum [T, H]."""
     num_tokens, top_k = weights.shape
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, x.shape[-1], 1)  # [T*k, H, 1]
-    hidden = torch.bmm(gate_up_slots, x_slots).squeeze(-1)  # [T*k, 2I]
+    hidden = torch.bmm(gate_up_slots, token_slots(x, top_k).unsqueeze(-1)).squeeze(-1)  # [T*k, 2I]
     y_slots = torch.bmm(down_slots, swiglu(hidden).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
     y_slots = y_slots.view(num_tokens, top_k, -1)
     return torch.bmm(weights.to(y_slots.dtype).unsqueeze(1), y_slots).squeeze(1).to(x.dtype)

@@ -22,6 +22,7 @@ from server.kernels.moe import (
     slot_swiglu,
     sort_by_expert,
     swiglu,
+    token_slots,
     use_gather_reduce,
 )
 
@@ -84,10 +85,8 @@ def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale,
     """For torch.compile only (see moe._experts_gather_reduce): FP8 bytes read once, activations never
     quantized; gate_up's row scales applied after its reduction, down's inside the one down-and-combine
     reduction."""
-    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    act = slot_swiglu(gate_up_q, flat_ids, x_slots, gate_up_scale)  # [T*k, I]
+    act = slot_swiglu(gate_up_q, flat_ids, token_slots(x, expert_ids.shape[1]).unsqueeze(1), gate_up_scale)  # [T*k, I]
     down_slots = down_q[flat_ids].float() * down_scale[flat_ids].unsqueeze(-1)  # [T*k, H, I], scaled per row
     return down_and_combine(down_slots, act, weights).to(x.dtype)
 
