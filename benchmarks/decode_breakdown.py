@@ -78,7 +78,6 @@ def main() -> None:
     # Every stage built before the profile (the no-graph step's C++ form too), then the profiled call once: a
     # compile or a kernel's autotuning inside the profile would count its benchmark launches as the step's.
     engine.warm_up()
-    engine.generate(prompts, SamplingParams(max_tokens=129, temperature=0.0, ignore_eos=True))
     params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
     synchronize(device)
