@@ -8,18 +8,14 @@ descent tuning of block sizes.
     PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py            # CUDA
     PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --device cpu --layers 2 --experts 8 --hidden 64 \
         --inter 32 --vocab 256 --reps 2                               # a smoke run of the script
-    PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --tuning off,on,weightonly -- --preset qwen3-30b-a3b \
-        --batch-sizes 1 --quantize none,fp8 --graphs off              # end to end
 
-With --tuning, the arguments after `--` go to `mps-serve bench`, run once per setting (off, on, weightonly) in one
-process: `on` switches coordinate descent tuning on for every compile of this process, `weightonly` also reads every
-FP8 linear at one token in the weight-only reduction where graphs replay the step: measurements, not settings.
+The engine compiles with the tuning on CUDA (compat.tune_generated_kernels); the untuned forms are what inductor
+emits without it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -27,10 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels import time_graph
-from server import cli
 from server.bench.measure import copy_bandwidth_gb_s
-from server.engine import saved_compile
-from server.kernels import fp8, moe, moe_fp8
+from server.kernels import moe, moe_fp8
 from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
 
 
@@ -145,23 +139,6 @@ def report(name: str, micros: float, weight_bytes: int, gbps: float, error: floa
     print(f"{name:34s} {micros:9.1f} us  ideal {ideal:8.1f} us  {ideal / micros:6.1%}  max err {error:.3g}", flush=True)
 
 
-def bench_tuning(settings: list[str], bench_args: list[str]) -> int:
-    """The bench once per setting: `off` as the engine builds, `on` with coordinate descent tuning, `weightonly`
-    with the tuning and every one-token FP8 linear in the weight-only reduction (the engine takes `scaled_mm`
-    where a CUDA graph replays the step)."""
-    saved_compile.saves_compiles = lambda: False  # else the second run would load the first one's step (same sources)
-    engine_choice, status = fp8.prefer_weight_only, 0
-    for setting in settings:
-        tuned = setting in ("on", "weightonly")
-        torch._inductor.config.coordinate_descent_tuning = tuned
-        os.environ["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] = "1" if tuned else "0"  # compile children
-        fp8.prefer_weight_only = ((lambda model, preferred: engine_choice(model, True)) if setting == "weightonly"
-                                  else engine_choice)
-        print(f"== {setting}: coordinate descent tuning {'on' if tuned else 'off'}", flush=True)
-        status = status or cli.main(["bench", *bench_args])
-    return status
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -173,11 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", choices=["experts", "lm_head"], default=None)
-    parser.add_argument("--tuning", default=None, help="end to end: off,on,weightonly (any of them, in order): the bench per setting")
-    parser.add_argument("bench_args", nargs="*", help="after --: mps-serve bench's arguments")
     args = parser.parse_args(argv)
-    if args.tuning:
-        return bench_tuning(args.tuning.split(","), args.bench_args)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     gbps = copy_bandwidth_gb_s(torch.device(args.device), 4 << 30 if args.device == "cuda" else 256 << 20)  # as the bench
     print(f"torch {torch.__version__} on {args.device}, {dtype}; copy {gbps:.0f} GB/s", flush=True)

@@ -10,8 +10,9 @@
 #   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py;
 #              a synthetic tokenizer of Llama-3's vocabulary size)
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
-#   fp8forms   Llama-3.1-8B, batch 1, no CUDA graphs: bf16, FP8 through scaled_mm, FP8 weight-only (forced) in one
-#              process (benchmarks/fp8_decode_forms.py)
+#   fp8forms   Llama-3.1-8B (FP8FORMS_PRESET), batch 1, CUDA graphs on then off (FP8FORMS_GRAPHS): bf16, FP8 as the
+#              engine picks (weight-only at one token), FP8 through scaled_mm (forced), in one process
+#              (benchmarks/fp8_decode_forms.py)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,
 #              CUDA graphs on (STARTUP_GRAPHS=off: the Mac-like mode, Python wrapper first, then the C++ wrapper)
@@ -33,9 +34,6 @@
 #   fp8reduce  FP8 weight-only reductions at one token op by op beside bf16 and scaled_mm (Qwen3-30B-A3B's experts and
 #              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
 #              each also with inductor's coordinate descent tuning
-#   tuning     TUNING_PRESET (llama-3.1-8b) at batch 1, TUNING_QUANTIZE (fp8), TUNING_GRAPHS (off) end to end, with
-#              inductor's coordinate descent tuning off then on in one process (each a cold compile; TUNING_LIMIT_S);
-#              TUNING_SETTINGS=off,on,weightonly adds a run that also takes the FP8 weight-only form where graphs replay
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
@@ -96,7 +94,7 @@ for case in "$@"; do
                  grep '^{' "$out/eagercost-$1-$2-$3.log" >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
-    fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
+    fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} --graphs ${FP8FORMS_GRAPHS:-on,off} \
                 --json "$out/fp8forms.jsonl" > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout 300 python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \
@@ -105,9 +103,6 @@ for case in "$@"; do
                for shape in "4096 128256" "4096 28672" "14336 4096"; do set -- $shape
                  timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
-    tuning) timeout ${TUNING_LIMIT_S:-560} python3 benchmarks/fp8_reduction_forms.py --tuning ${TUNING_SETTINGS:-off,on} -- --preset ${TUNING_PRESET:-llama-3.1-8b} \
-              --batch-sizes 1 --quantize ${TUNING_QUANTIZE:-fp8} --graphs ${TUNING_GRAPHS:-off} ${TUNING_ARGS:-} \
-              --json "$out/tuning.jsonl" > "$out/tuning.txt" 2>&1 ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
               timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
                 --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done

@@ -24,6 +24,7 @@ from torch import nn
 from server.config import EngineConfig
 from server.engine.compile_child import CompileChild
 from server.engine.warmup import HOST_READING_STAGES
+from server.kernels import compat
 
 STAGE_LIST = "the twin's stages"  # filled_marker's name for the list of them
 
@@ -221,6 +222,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
+    compat.tune_generated_kernels(device)  # as the serving process compiles
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import torch
 from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
 from server.engine.launch_wrapper import LaunchCompiled
-from server.kernels import flex_decode, fp8, sampling
+from server.kernels import flex_decode, sampling
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,6 @@ class DecodeGraphs:
         # What warm-up runs write instead; made here, outside inference mode, so that its guards match the above.
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
-        fp8.prefer_weight_only(model, not self.use_graphs)  # launched kernel by kernel: no activation quantization
         # Launched kernel by kernel, the C++ wrapper saves host time per kernel; its step inlines the layers.
         self.compiled = LaunchCompiled(self.step.forward, "the decode step",
                                        None if self.use_graphs else self.step.forward_layers_inline,

@@ -1,5 +1,5 @@
 """FP8 (e4m3) weights with one float32 scale per output row, multiplied through row-wise `scaled_mm`, or, in a
-compiled step at one token that is not replayed as a CUDA graph, read as FP8 inside one reduction (weight-only).
+compiled step at one token, read as FP8 inside one reduction (weight-only).
 
 Weights: `w ~= w_fp8 * scale`, scale [N, 1] = amax(|row|) / 448. Activations: one scale per token row, quantized
 once per input and shared by every projection that reads it (pass `x_quant` to `Fp8Linear`): quantizing the
@@ -8,12 +8,11 @@ activation per call, as separate ops, costs as much as FP8 saves on the weight r
 
 A compiled step at one token (decode at batch 1) reads FP8 weights in the weight-only form: each FP8 weight
 widened inside the reduction that accumulates in float32, the row scale applied after it, no activation
-quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). It is
-chosen where the step's kernels are launched one by one from the host (MPS, the CPU, CUDA without graphs): there
-the activation's quantization and `scaled_mm`'s per-call host cost lose to it; where the step replays a CUDA
-graph, `scaled_mm` reads FP8 faster and keeps the one-token step too (docs/PERF.md, sessions 13 and 17). A device
-without row-wise `scaled_mm` takes the weight-only form either way. Eager it would materialize [M, N, K], so it
-runs only under torch.compile, where the probe found the FP8 widening on the device.
+quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal on MPS, C++ on the CPU). It reads
+the weight at least as fast as `scaled_mm` once CUDA's block sizes are tuned (compat.tune_generated_kernels) and
+saves the activation's quantization kernels, with or without CUDA graphs (docs/PERF.md, session 31). Eager it
+would materialize [M, N, K], so it runs only under torch.compile, where the probe found the FP8 widening on the
+device.
 """
 
 from __future__ import annotations
@@ -89,19 +88,10 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return out.to(out_dtype)
 
 
-def use_weight_only(device: torch.device, num_tokens, preferred: bool) -> bool:
+def use_weight_only(device: torch.device, num_tokens) -> bool:
     """Whether a linear reads its FP8 weight in the weight-only reduction: in a compiled step at one token, where
-    the step prefers it (no graph replay) or the device has no row-wise scaled_mm."""
-    return (torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
-            and (preferred or not fp8_rowwise_ok(device, False)))
-
-
-def prefer_weight_only(model: nn.Module, preferred: bool) -> None:
-    """Set the one-token form of every FP8 linear in `model`: the decode runner prefers the weight-only reduction
-    unless its steps replay CUDA graphs."""
-    for module in model.modules():
-        if isinstance(module, Fp8Linear):
-            module.weight_only_preferred = preferred
+    the device widens FP8 there."""
+    return torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
 
 
 def fp8_weight_only_linear(
@@ -158,12 +148,11 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        self.weight_only_preferred = True  # the decode runner's choice (prefer_weight_only)
 
     def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; pass `x_quant = quantize_activation(x)` to share it between layers."""
         x_rows = x.reshape(-1, self.in_features)  # [M, K]
-        if x_quant is None and use_weight_only(x.device, x_rows.shape[0], self.weight_only_preferred):
+        if x_quant is None and use_weight_only(x.device, x_rows.shape[0]):
             out = fp8_weight_only_linear(x_rows, self.weight, self.weight_scale, self.bias, self.out_dtype)
             return out.view(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)

@@ -234,7 +234,7 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     prompts = [random_ids(n, n) for n in (5, 19, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with monkeypatch.context() as eager_patch:  # the same form eagerly, as the reference; prefill keeps scaled_mm
-        eager_patch.setattr(fp8, "use_weight_only", lambda device, num_tokens, preferred: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
+        eager_patch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
         eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
         expected = [eager.generate(p, params).token_ids for p in prompts]
     traced = []  # whether each activation quantization was traced into the compiled step

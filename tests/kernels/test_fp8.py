@@ -70,15 +70,14 @@ def test_fp8_weight_only_matches_twin_and_bf16(with_bias):
 @pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
 )
-@pytest.mark.parametrize("num_tokens, has_scaled_mm, preferred, weight_only",
-                         [(1, False, False, True), (1, True, True, True),
-                          pytest.param(1, True, False, False, marks=needs_cpu_scaled_mm),
-                          pytest.param(fp8.WEIGHT_ONLY_MAX_TOKENS + 1, True, True, False, marks=needs_cpu_scaled_mm)])
-def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens, has_scaled_mm, preferred,
-                                                                      weight_only, monkeypatch):
-    """Compiled at one token where the runner prefers it (no graph replay) or the device has no row-wise
-    scaled_mm: one reduction over the FP8 weight, no activation quantization and no scaled_mm; else, or at more
-    tokens, scaled_mm. Either way the twin's numbers."""
+@pytest.mark.parametrize("num_tokens, has_scaled_mm, weight_only",
+                         [(1, False, True), (1, True, True),
+                          pytest.param(fp8.WEIGHT_ONLY_MAX_TOKENS + 1, True, False, marks=needs_cpu_scaled_mm)])
+def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens, has_scaled_mm, weight_only,
+                                                                      monkeypatch):
+    """Compiled at one token, with or without a row-wise scaled_mm on the device: one reduction over the FP8
+    weight, no activation quantization and no scaled_mm; at more tokens, scaled_mm. Either way the twin's
+    numbers."""
     from torch._inductor.utils import run_and_get_code
 
     if not has_scaled_mm:  # the choice only: the fallback it replaces would never be traced here
@@ -86,7 +85,6 @@ def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens,
 
     layer = fp8.Fp8Linear(96, 48, bias=True, dtype=torch.bfloat16)
     layer.copy_from(torch.nn.Linear(96, 48, bias=True, dtype=torch.bfloat16))
-    fp8.prefer_weight_only(layer, preferred)
     x = torch.randn(num_tokens, 96, dtype=torch.bfloat16)
     torch._dynamo.reset()
     out, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
