@@ -9,8 +9,8 @@ descent tuning of block sizes.
     PYTHONPATH=. python3 benchmarks/fp8_reduction_forms.py --device cpu --layers 2 --experts 8 --hidden 64 \
         --inter 32 --vocab 256 --reps 2                               # a smoke run of the script
 
-The engine compiles with the tuning on CUDA (compat.tune_generated_kernels); the untuned forms are what inductor
-emits without it.
+The engine compiles a model with FP8 linears with the tuning on CUDA (compat.tune_generated_kernels); the untuned
+forms are what inductor emits without it.
 """
 
 from __future__ import annotations

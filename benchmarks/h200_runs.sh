@@ -4,9 +4,11 @@
 #   bash benchmarks/h200_runs.sh CASE...
 #   llama      Llama-3.1-8B, batches 1 and 16, with and without CUDA graphs, beside transformers
 #   qwen       Qwen3-30B-A3B, batch 1, with and without CUDA graphs
-#   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs, 2,048-token prompts (prefill)
+#   qwenfp8    Qwen3-30B-A3B, batch 1, bf16 and FP8 side by side, CUDA graphs, 128-token prompts (QWENFP8_ARGS adds to
+#              the bench's arguments: "--prompt-len 2048" for prefill, about 520 s of cold compiles)
 #   qwenfp8off the same without CUDA graphs (the Mac-like mode)
-#   llamafp8   Llama-3.1-8B, batch 1, bf16 and FP8 side by side, with and without CUDA graphs
+#   llamafp8   Llama-3.1-8B, batch 1, bf16 and FP8 side by side, with and without CUDA graphs (LLAMAFP8_GRAPHS=on or
+#              off: one of them, when both do not fit one call)
 #   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py;
 #              a synthetic tokenizer of Llama-3's vocabulary size)
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
@@ -63,11 +65,11 @@ for case in "$@"; do
     qwen) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --graphs on,off \
             --json "$out/qwen.jsonl" > "$out/qwen.txt" 2>&1 ;;
     qwenfp8) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --quantize none,fp8 \
-               --prompt-len 2048 --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
+               ${QWENFP8_ARGS:-} --json "$out/qwenfp8.jsonl" > "$out/qwenfp8.txt" 2>&1 ;;
     qwenfp8off) timeout 560 python3 -m server bench --preset qwen3-30b-a3b --batch-sizes 1 --quantize none,fp8 \
                   --graphs off --json "$out/qwenfp8off.jsonl" > "$out/qwenfp8off.txt" 2>&1 ;;
     llamafp8) timeout 560 python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 \
-                --graphs on,off --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
+                --graphs ${LLAMAFP8_GRAPHS:-on,off} --json "$out/llamafp8.jsonl" > "$out/llamafp8.txt" 2>&1 ;;
     structured) timeout 560 python3 benchmarks/structured_decode.py --preset llama-3.1-8b --batch-sizes ${STRUCTURED_BATCHES:-1,16} \
                   > "$out/structured.txt" 2>&1 ;;
     fp8prefill) timeout ${FP8PREFILL_LIMIT_S:-560} python3 -m server bench --preset llama-3.1-8b --batch-sizes 1 --quantize none,fp8 --graphs off \

@@ -116,10 +116,10 @@ def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dty
 
 def fp8_kept_linears(model: nn.Module) -> list[str] | None:
     """An FP8 model's linears that stayed in the model dtype (its device's keep-plan); None for other models."""
-    from server.kernels.fp8 import Fp8Linear
+    from server.kernels.fp8 import has_fp8_linears
     from server.models.quant import quantizable_linears
 
-    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    if not has_fp8_linears(model):
         return None
     return sorted(quantizable_linears(model))
 
@@ -222,7 +222,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
-    compat.tune_generated_kernels(device)  # as the serving process compiles
+    compat.tune_generated_kernels(device, spec["fp8_kept"] is not None)  # as the serving process compiles
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":

@@ -94,6 +94,10 @@ def use_weight_only(device: torch.device, num_tokens) -> bool:
     return torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
 
 
+def has_fp8_linears(model: nn.Module) -> bool:
+    return any(isinstance(module, Fp8Linear) for module in model.modules())
+
+
 def fp8_weight_only_linear(
     x: torch.Tensor,  # [M, K] in the model dtype
     w_fp8: torch.Tensor,  # [N, K] float8_e4m3fn

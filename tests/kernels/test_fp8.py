@@ -181,3 +181,22 @@ def test_plan_keeps_only_measured_slower_layers_within_budget():
         kept_bytes = sum(shapes[name][0] * shapes[name][1] * 2 for name in kept)
         assert kept_bytes <= budget * total_bytes
         assert all(fp8_speedup("cpu", *shapes[name], torch.bfloat16) < 1.0 for name in kept)
+
+
+def test_cuda_compiles_tune_block_sizes_for_models_with_fp8_linears_only():
+    """Inductor's coordinate descent tuning: on for CUDA compiles of a model with FP8 linears, off for one without,
+    untouched on other devices (their kernels have no such tuner)."""
+    import torch._inductor.config as inductor_config
+
+    from server.kernels import compat
+
+    fp8_model = torch.nn.Sequential(fp8.Fp8Linear(16, 8), torch.nn.Linear(8, 8))
+    bf16_model = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    assert fp8.has_fp8_linears(fp8_model) and not fp8.has_fp8_linears(bf16_model)
+    with inductor_config.patch(coordinate_descent_tuning=False):  # restores the setting after (monkeypatch hides it)
+        compat.tune_generated_kernels(torch.device("cpu"), True)
+        assert inductor_config.coordinate_descent_tuning is False
+        compat.tune_generated_kernels(torch.device("cuda"), fp8.has_fp8_linears(fp8_model))
+        assert inductor_config.coordinate_descent_tuning is True
+        compat.tune_generated_kernels(torch.device("cuda"), fp8.has_fp8_linears(bf16_model))
+        assert inductor_config.coordinate_descent_tuning is False
