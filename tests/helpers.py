@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from server.engine.saved_compile import saves_compiles
 from server.kernels import compat
 
 # What torch's CPU build has from 2.13 on (the suite's torch); on older ones (the GPU machine's 2.11) the tests that
 # need it skip, from 2.13 on they must pass.
 needs_cpu_scaled_mm = pytest.mark.skipif(compat.torch_version() < (2, 13),
                                          reason="torch < 2.13 has no row-wise scaled_mm on the CPU")
-needs_saved_compiles = pytest.mark.skipif(compat.torch_version() < (2, 13),
-                                          reason="torch < 2.13 saves no compiled step (saved_compile.saves_compiles)")
+needs_saved_compiles = pytest.mark.skipif(not saves_compiles(),
+                                          reason=f"torch {torch.__version__} saves no compiled step (saves_compiles)")
 
 # Small chunks and blocks so prompts span several prefill chunks and KV blocks.
 ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
