@@ -222,7 +222,8 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
-    compat.tune_generated_kernels(device, spec["fp8_kept"] is not None)  # as the serving process compiles
+    # As build_parts sets it in the serving process, but before the probes here: their compiles share its cache too.
+    compat.tune_generated_kernels(device, spec["fp8_kept"] is not None)
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":
