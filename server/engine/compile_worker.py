@@ -25,6 +25,7 @@ from server.config import EngineConfig
 from server.engine.compile_child import CompileChild
 from server.engine.warmup import HOST_READING_STAGES
 from server.kernels import compat
+from server.kernels.fp8 import has_fp8_linears
 
 STAGE_LIST = "the twin's stages"  # filled_marker's name for the list of them
 
@@ -109,19 +110,9 @@ def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dty
         return None
     return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
-            "num_kv_blocks": num_kv_blocks, "fp8_kept": fp8_kept_linears(model),
+            "num_kv_blocks": num_kv_blocks, "fp8": has_fp8_linears(model),
             "num_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "source": source_fingerprint()}
-
-
-def fp8_kept_linears(model: nn.Module) -> list[str] | None:
-    """An FP8 model's linears that stayed in the model dtype (its device's keep-plan); None for other models."""
-    from server.kernels.fp8 import has_fp8_linears
-    from server.models.quant import quantizable_linears
-
-    if not has_fp8_linears(model):
-        return None
-    return sorted(quantizable_linears(model))
 
 
 def source_fingerprint() -> str:
@@ -223,14 +214,14 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
     # As build_parts sets it in the serving process, but before the probes here: their compiles share its cache too.
-    compat.tune_generated_kernels(device, spec["fp8_kept"] is not None)
+    compat.tune_generated_kernels(device, spec["fp8"])
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":
         flex_decode.probe_compiled(str(device), dtype, config.block_size)
     fill_caches_on_compile()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8_kept"])
+    model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8"])
     with fake_mode:
         parts = build_parts(model, config, device, dtype, spec["max_model_len"], lambda _: spec["num_kv_blocks"])
         engine = Engine(model, None, config, device, dtype, spec["max_model_len"], config.model, parts)
@@ -273,17 +264,16 @@ def fill_caches_on_compile() -> None:
     torch.compile = compile_filling
 
 
-def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8_kept: list[str] | None):
-    """The model on the meta device (with the FP8 form where `fp8_kept` is given: the linears it names stay in
-    `dtype`), each parameter and buffer then a FakeTensor of its shape, stride and dtype on `device`; tied weights
-    stay one tensor."""
+def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8: bool):
+    """The model on the meta device (in its FP8 form with `fp8`), each parameter and buffer then a FakeTensor of
+    its shape, stride and dtype on `device`; tied weights stay one tensor."""
     from server.engine.weights import empty_model
     from server.models.quant import swap_to_fp8
 
     model = empty_model(hf_config, "meta", dtype)
-    if fp8_kept is not None:
+    if fp8:
         with torch.device("meta"):
-            swap_to_fp8(model, dtype, set(fp8_kept))
+            swap_to_fp8(model, dtype)
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, kept alive: ids stay unique; fake)
     with fake_mode:
         for module in model.modules():

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
 from server.models.parallel import Layout, apply_layout, locate
-from server.models.quant import plan_kept_layers, swap_to_fp8
+from server.models.quant import swap_to_fp8
 from server.models.registry import get_model_module
 
 log = logging.getLogger(__name__)
@@ -279,11 +279,8 @@ def empty_model(
         model = model.to(dtype)
     num_params = sum(p.numel() for p in model.parameters())
     _refuse_past_memory(num_params * (1 if quantization == "fp8" else dtype.itemsize), device, "the model's weights")
-    if quantization == "fp8":  # outside the meta context: the keep-plan times real kernels on `device`
-        keep = plan_kept_layers(model, torch.device(device), dtype)
-        if keep:
-            log.info("FP8: keeping %d small linears in %s (FP8 measured slower there)", len(keep), dtype)
-        swap_to_fp8(model, dtype, keep)
+    if quantization == "fp8":
+        swap_to_fp8(model, dtype)
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; use fp8")
     model = model.to_empty(device=device)

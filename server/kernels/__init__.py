@@ -6,7 +6,6 @@ Modules (import them directly; each fast op has a same-signature twin named `*_r
 - compat: public `F.*` vs private `torch._*` spellings of scaled_mm / grouped_mm / scaled_grouped_mm;
   `synchronize(device)`.
 - fp8: `quantize_fp8_rowwise`, `quantize_activation`, `fp8_linear`, `Fp8Linear`, `blockwise_to_rowwise`.
-- fp8_policy: `plan_fp8_layers`, FP8 vs model dtype per layer by a measurement on the device.
 - moe / moe_fp8: `route_softmax`, `route_sigmoid_bias`, `moe_experts`, `moe_experts_fp8`, `quantize_experts`.
 - sampling: `SamplingRow`, `build_sampling_batch`, `sample` (sync-free, seeded exponential race).
 - streams: `DeviceStreams.copy_to_host(t) -> PendingCopy`, non-blocking device-to-host copies.

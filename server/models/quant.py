@@ -95,28 +95,11 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     return found
 
 
-def plan_kept_layers(model: nn.Module, device: torch.device, dtype: torch.dtype) -> set[str]:
-    """Linears to keep in the model dtype because FP8 measured slower for their shape on this device, within
-    the keep budget of kernels.fp8_policy. Only measured on accelerators: CPU FP8 is a reference path."""
-    if device.type not in ("cuda", "mps"):
-        return set()
-    from server.kernels.fp8_policy import plan_fp8_layers
-
-    linears = quantizable_linears(model)
-    shapes = {name: (m.out_features, m.in_features) for name, m in linears.items()}
-    itemsize = torch.finfo(dtype).bits // 8
-    total = sum(p.numel() * itemsize for p in model.parameters())
-    total -= sum(m.weight.numel() * (itemsize - 1) for m in linears.values())
-    total -= sum(e.gate_up_proj.numel() * (itemsize - 1) + e.down_proj.numel() * (itemsize - 1)
-                 for e in model.modules() if isinstance(e, FusedExperts))
-    return plan_fp8_layers(shapes, device, dtype, total)
-
-
-def swap_to_fp8(model: nn.Module, dtype: torch.dtype, keep: set[str] = frozenset(), copy_weights: bool = False) -> None:
-    """Replace the quantizable linears (except `keep`) and the experts by their FP8 forms, in place. With
+def swap_to_fp8(model: nn.Module, dtype: torch.dtype, copy_weights: bool = False) -> None:
+    """Replace the quantizable linears and the experts by their FP8 forms, in place. With
     `copy_weights`, each FP8 module quantizes the weights of the one it replaces (one layer at a time);
     without, the loader fills it later."""
-    names = [name for name in quantizable_linears(model) if name not in keep]
+    names = list(quantizable_linears(model))
     names += [name for name, module in model.named_modules() if isinstance(module, FusedExperts)]
     for name in names:
         module = model.get_submodule(name)
@@ -128,9 +111,8 @@ def swap_to_fp8(model: nn.Module, dtype: torch.dtype, keep: set[str] = frozenset
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> nn.Module:
-    """Convert a materialized model to FP8 in place, with the keep-plan of its device."""
-    param = next(model.parameters())
-    swap_to_fp8(model, param.dtype, plan_kept_layers(model, param.device, param.dtype), copy_weights=True)
+    """Convert a materialized model to FP8 in place."""
+    swap_to_fp8(model, next(model.parameters()).dtype, copy_weights=True)
     return model
 
 

@@ -16,6 +16,7 @@ from server.config import EngineConfig
 from server.engine import compile_worker
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
+from server.models.quant import quantizable_linears
 from tests.helpers import ENGINE_KW, build_tiny, random_ids
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -97,14 +98,18 @@ def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_check
     assert not any(r.levelno >= logging.WARNING for r in caplog.records if r.name.startswith("server"))
 
 
-def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path):
-    """Every parameter and buffer a fake of the real shape, dtype and stride; a tied LM head stays one tensor."""
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path, quantization):
+    """Every parameter and buffer a fake of the real shape, dtype and stride (FP8 where the real one is: every
+    quantizable linear); a tied LM head stays one tensor."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     build_tiny("qwen3", tmp_path, tie_word_embeddings=True)
-    engine = Engine.from_pretrained(str(tmp_path), **ENGINE_KW, compile="on")
+    engine = Engine.from_pretrained(str(tmp_path), **ENGINE_KW, compile="on", quantization=quantization)
     real = engine.model
-    twin = compile_worker.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), None)
+    spec = compile_worker.child_spec(real, engine.config, engine.device, engine.dtype, 64, 8)
+    assert spec["fp8"] is (quantization == "fp8")
+    twin = compile_worker.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), spec["fp8"])
     real_tensors, twin_tensors = dict(real.state_dict(keep_vars=True)), dict(twin.state_dict(keep_vars=True))
     assert real_tensors.keys() == twin_tensors.keys()
     for name, tensor in real_tensors.items():
@@ -114,6 +119,8 @@ def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path):
                                                                        tensor.device), name
     assert real.lm_head.weight is real.model.embed_tokens.weight
     assert twin.lm_head.weight is twin.model.embed_tokens.weight
+    if quantization == "fp8":
+        assert not quantizable_linears(real)  # every projection in FP8: none stays in the model dtype
 
 
 def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, with_child, monkeypatch):

@@ -56,24 +56,3 @@ def test_huggingface_blockwise_fp8_checkpoint_loads(tiny_checkpoint, tmp_path):
     ids = random_ids(25, 6)
     ref = Engine.from_pretrained(str(src), **ENGINE_KW).score(ids)
     assert (engine.score(ids) - ref).norm() / ref.norm() < 0.3  # as in the row-wise test above
-
-
-def test_fp8_keep_plan_runs_outside_the_meta_device(tiny_checkpoint, monkeypatch):
-    """The keep-plan times real kernels on the target device (CUDA / MPS); inside the meta-device context
-    that builds the model its tensors would have no data. Here the plan's device context is recorded for the
-    loader and the bench's random FP8 build (both build through weights.empty_model)."""
-    from server.bench import random_model
-    from server.bench.presets import load_preset
-    from server.engine import weights
-
-    seen = []
-
-    def fake_plan(model, device, dtype):
-        seen.append(torch.empty(()).device.type)
-        return set()
-
-    monkeypatch.setattr(weights, "plan_kept_layers", fake_plan)
-    path, _ = tiny_checkpoint("llama")
-    Engine.from_pretrained(str(path), **ENGINE_KW, quantization="fp8")
-    random_model.build_random_model(load_preset("tiny-moe").hf_config, torch.device("cpu"), torch.float32, 0, "fp8")
-    assert seen == ["cpu", "cpu"]

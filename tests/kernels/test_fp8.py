@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from server.kernels import fp8, moe, moe_fp8
-from server.kernels.fp8_policy import fp8_speedup, plan_fp8_layers
 from tests.helpers import needs_cpu_scaled_mm
 
 FP8_LINEAR_BOUND = 6e-2  # both operands quantized, vs the bf16 product
@@ -167,20 +166,6 @@ def test_fp8_experts_compile_fullgraph_decode_shape():
     weights, expert_ids = moe.route_softmax(logits, 2, True)
     ref = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     assert _rel_err(out, ref) < 1e-2
-
-
-def test_plan_keeps_only_measured_slower_layers_within_budget():
-    shapes = {
-        f"layers.{i}.{name}": shape
-        for i in range(3)
-        for name, shape in (("qkv", (96, 64)), ("o", (64, 64)), ("gate_up", (256, 64)), ("down", (64, 128)))
-    }
-    total_bytes = sum(n * k for n, k in shapes.values())  # all stored in FP8
-    for budget in (0.0, 0.2, 1.0):
-        kept = plan_fp8_layers(shapes, "cpu", torch.bfloat16, total_bytes, keep_budget=budget)
-        kept_bytes = sum(shapes[name][0] * shapes[name][1] * 2 for name in kept)
-        assert kept_bytes <= budget * total_bytes
-        assert all(fp8_speedup("cpu", *shapes[name], torch.bfloat16) < 1.0 for name in kept)
 
 
 def test_cuda_compiles_tune_block_sizes_for_models_with_fp8_linears_only():
