@@ -37,7 +37,9 @@
 #   fp8reduce  FP8 weight-only reductions at one token op by op beside bf16 and scaled_mm (Qwen3-30B-A3B's experts and
 #              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
 #              each also with inductor's coordinate descent tuning
-#   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths)
+#   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths;
+#              LAYERS_PRESETS picks some, LAYERS_ARGS="--quantize fp8" adds to decode_breakdown's arguments, each run up
+#              to LAYERS_LIMIT_S, 150 s)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
 #              to CPPWRAPPER_LIMIT_S; benchmarks/launch_wrapper_bench.py): the host's cost per launched kernel
@@ -107,8 +109,8 @@ for case in "$@"; do
                  timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
-              timeout 150 python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 --steps 8 \
-                --list-step > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
+              timeout ${LAYERS_LIMIT_S:-150} python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 \
+                --steps 8 --list-step ${LAYERS_ARGS:-} > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
             cat "$out"/layers-*.txt > "$out/layers.txt" ;;
     cppwrapper) for run in ${CPPWRAPPER_RUNS:-llama-3.1-8b:0:python llama-3.1-8b:0:cpp qwen3-30b-a3b:12:python qwen3-30b-a3b:12:cpp}; do
                   set -- ${run//:/ }; layers=; [ "$2" = 0 ] || layers="--num-layers $2"
