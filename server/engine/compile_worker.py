@@ -268,12 +268,8 @@ def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_m
     """The model on the meta device (in its FP8 form with `fp8`), each parameter and buffer then a FakeTensor of
     its shape, stride and dtype on `device`; tied weights stay one tensor."""
     from server.engine.weights import empty_model
-    from server.models.quant import swap_to_fp8
 
-    model = empty_model(hf_config, "meta", dtype)
-    if fp8:
-        with torch.device("meta"):
-            swap_to_fp8(model, dtype)
+    model = empty_model(hf_config, "meta", dtype, "fp8" if fp8 else None)
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, kept alive: ids stay unique; fake)
     with fake_mode:
         for module in model.modules():
