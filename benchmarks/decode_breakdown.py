@@ -63,6 +63,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="list the N kernels with the most time per step")
     parser.add_argument("--num-layers", type=int, default=None, help="keep the first N layers of the preset")
     parser.add_argument("--list-step", action="store_true", help="print the last step's kernels in launch order")
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="the engine's largest batch: 1 compiles only the one-sequence step (a listing's quick form)")
+    parser.add_argument("--eager-prefill", action="store_true",
+                        help="skip prefill's compile (its kernels then count in the per-step totals)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -70,9 +74,9 @@ def main() -> None:
     if args.num_layers is not None:
         hf_config = with_num_layers(hf_config, args.num_layers)
     model = build_random_model(hf_config, device, torch.bfloat16, quantization=args.quantize)
-    config = EngineConfig(model=args.preset, max_num_seqs=max(16, args.batch), max_num_batched_tokens=2048,
+    config = EngineConfig(model=args.preset, max_num_seqs=max(args.max_num_seqs, args.batch), max_num_batched_tokens=2048,
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
-                          cuda_graphs=args.graphs == "1")
+                          cuda_graphs=args.graphs == "1", compile_prefill=False if args.eager_prefill else None)
     engine = Engine.from_model(model, config, device)
     prompts = [list(range(1, 129))] * args.batch
     # Every stage built before the profile (the no-graph step's C++ form too), then the profiled call once: a

@@ -1,46 +1,87 @@
-"""FP8 decode at one token in its two forms side by side, with and without CUDA graphs (without: the Mac-like
-mode, every kernel launched from the host): the weight-only reduction (the FP8 weight read inside one compiled
-reduction, what the engine picks) against row-wise `scaled_mm` with the activation quantized per call. The second
-run forces the `scaled_mm` form by replacing `fp8.use_weight_only` in this process only: a measurement, not a
-setting.
+"""FP8 decode at one token in candidate forms side by side, one process, with and without CUDA graphs (without: the
+Mac-like mode, every kernel launched from the host). Each form other than the engine's replaces one function of
+`server.kernels` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
+    PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --forms engine,stored-input \
+        --graphs off -- --num-layers 12
 
-Runs `mps-serve bench --batch-sizes 1` twice in one process: bf16 and FP8 as the engine picks, then FP8 through
-row-wise scaled_mm, each at every `--graphs` setting. Both runs' tables and JSON lines carry kernels/step.
+Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1 --quantize fp8` at every `--graphs` setting):
+  engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
+  scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+  stored-input  the weight-only reduction with its input stored first, as the bf16 row reduction does
+                (gemv.row_reduction_linear): the producer (attention's combine, the SwiGLU, a norm) is not inlined
+                into the reduction and recomputed for every output row
+Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
+carry kernels/step.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
 from server.kernels import fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 
 
+def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
+    # scaled_mm at one token wherever the device has it; weight-only only where it has not
+    return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
+            and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
+
+
+def weight_only_input_stored(x, w_fp8, w_scale, bias, out_dtype):
+    # as_strided makes inductor store x before the reduction reads it (gemv.row_reduction_linear's device)
+    return ENGINE_WEIGHT_ONLY(x.as_strided(x.shape, x.stride()), w_fp8, w_scale, bias, out_dtype)
+
+
+ENGINE_WEIGHT_ONLY = fp8.fp8_weight_only_linear
+FORMS = {  # name -> (module, attribute, replacement); the engine's form replaces nothing
+    "engine": None,
+    "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
+    "stored-input": (fp8, "fp8_weight_only_linear", weight_only_input_stored),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    bench_extra = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--graphs", default="off", help="on, off or on,off: as the bench's --graphs")
-    parser.add_argument("--json", default=None, help="append both runs' JSON lines here")
-    args = parser.parse_args(argv)
-    common = ["bench", "--preset", args.preset, "--batch-sizes", "1", "--graphs", args.graphs]
+    parser.add_argument("--forms", default="engine,scaled-mm", help=f"comma-separated, of {', '.join(FORMS)}")
+    parser.add_argument("--json", default=None, help="append every run's JSON lines here")
+    args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    forms = args.forms.split(",")
+    unknown = [form for form in forms if form not in FORMS]
+    if unknown:
+        parser.error(f"unknown form(s) {', '.join(unknown)}: choose from {', '.join(FORMS)}")
+    common = ["bench", "--preset", args.preset, "--batch-sizes", "1", "--graphs", args.graphs, *bench_extra]
     common += ["--json", args.json] if args.json else []
-    print("== bf16 and FP8 as the engine picks (weight-only at one token)", flush=True)
-    status = cli.main([*common, "--quantize", "none,fp8"])
-
-    def weight_only(device: torch.device, num_tokens) -> bool:
-        # scaled_mm at one token wherever the device has it; weight-only only where it has not
-        return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
-                and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
-
-    fp8.use_weight_only = weight_only
-    print("== FP8 through row-wise scaled_mm (forced)", flush=True)
-    return status or cli.main([*common, "--quantize", "fp8"])
+    status, engine_cache = 0, cache_dir()
+    for form in forms:
+        print(f"== FP8 form: {form}", flush=True)
+        if FORMS[form] is None:
+            status |= cli.main([*common, "--quantize", "none,fp8"])
+            continue
+        module, name, replacement = FORMS[form]
+        # a compile cache of its own: a saved step of the engine's form (torch >= 2.13) has the same key
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(engine_cache) / f"form-{form}")
+        original = getattr(module, name)
+        setattr(module, name, replacement)
+        try:
+            status |= cli.main([*common, "--quantize", "fp8"])
+        finally:
+            setattr(module, name, original)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = engine_cache
+    return status
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   fp8forms   Llama-3.1-8B (FP8FORMS_PRESET), batch 1, CUDA graphs on then off (FP8FORMS_GRAPHS): bf16, FP8 as the
 #              engine picks (weight-only at one token), FP8 through scaled_mm (forced), in one process
-#              (benchmarks/fp8_decode_forms.py)
+#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine,stored-input; FP8FORMS_ARGS
+#              adds to the bench's arguments, e.g. "--num-layers 12"; up to FP8FORMS_LIMIT_S, 560 s)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,
 #              CUDA graphs on (STARTUP_GRAPHS=off: the Mac-like mode, Python wrapper first, then the C++ wrapper)
@@ -39,7 +40,7 @@
 #              each also with inductor's coordinate descent tuning
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths;
 #              LAYERS_PRESETS picks some, LAYERS_ARGS="--quantize fp8" adds to decode_breakdown's arguments, each run up
-#              to LAYERS_LIMIT_S, 150 s)
+#              to LAYERS_LIMIT_S, 150 s; only the one-sequence step is compiled)
 #   cppwrapper the no-graph decode step with inductor's Python wrapper and its C++ wrapper (the engine's) side by side,
 #              each cold in its own compile cache (CPPWRAPPER_RUNS="preset:layers:python|cpp ...", layers 0 = all, each up
 #              to CPPWRAPPER_LIMIT_S; benchmarks/launch_wrapper_bench.py): the host's cost per launched kernel
@@ -99,8 +100,9 @@ for case in "$@"; do
                  grep '^{' "$out/eagercost-$1-$2-$3.log" >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
-    fp8forms) timeout 560 python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} --graphs ${FP8FORMS_GRAPHS:-on,off} \
-                --json "$out/fp8forms.jsonl" > "$out/fp8forms.txt" 2>&1 ;;
+    fp8forms) timeout ${FP8FORMS_LIMIT_S:-560} python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
+                --graphs ${FP8FORMS_GRAPHS:-on,off} --forms ${FP8FORMS_FORMS:-engine,scaled-mm} \
+                --json "$out/fp8forms.jsonl" -- ${FP8FORMS_ARGS:-} > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout ${BREAKDOWN_LIMIT_S:-300} python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
@@ -110,7 +112,7 @@ for case in "$@"; do
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
               timeout ${LAYERS_LIMIT_S:-150} python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 \
-                --steps 8 --list-step ${LAYERS_ARGS:-} > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
+                --steps 8 --list-step --max-num-seqs 1 --eager-prefill ${LAYERS_ARGS:-} > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done
             cat "$out"/layers-*.txt > "$out/layers.txt" ;;
     cppwrapper) for run in ${CPPWRAPPER_RUNS:-llama-3.1-8b:0:python llama-3.1-8b:0:cpp qwen3-30b-a3b:12:python qwen3-30b-a3b:12:cpp}; do
                   set -- ${run//:/ }; layers=; [ "$2" = 0 ] || layers="--num-layers $2"

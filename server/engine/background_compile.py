@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import sys
 import threading
 import time
@@ -96,13 +97,21 @@ def run_stage(what: str, run, start: float) -> None:
              now - start)
 
 
+COMPILER_ERROR = re.compile(r"\b(fatal )?error:")
+
+
 def describe_failure(exc: BaseException) -> str:
     """The exception and, where torch wrapped another (a backend that raised), the root cause: its type and its
     first line of text, which is what names the failing op."""
     root = exc
     while root.__cause__ is not None and root.__cause__ is not root:
         root = root.__cause__
-    text = "; ".join(line.strip() for line in str(root).splitlines() if line.strip())[:300]
+    lines = [line.strip() for line in str(root).splitlines() if line.strip()]
+    text = "; ".join(lines)[:300]
+    # A compiler's message leads with its command line; the line that says what failed comes after it.
+    diagnostic = next((line for line in lines if COMPILER_ERROR.search(line)), None)
+    if diagnostic is not None and diagnostic[:60] not in text:
+        text += f" ... {diagnostic[:300]}"
     if root is exc:
         return f"{type(exc).__name__}: {text}"
     return f"{type(exc).__name__}, caused by {type(root).__name__}: {text}"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -411,3 +413,61 @@ def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
     assert len(checked) == 7, sorted(rows)  # experts: fp8 (+cdt), two-stage (+cdt), via bf16; lm_head weight-only (+cdt)
     for name in checked:
         assert float(rows[name].rsplit("max err ", 1)[1]) < 1e-5, rows[name]
+
+
+def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restores(monkeypatch, tmp_path):
+    """benchmarks/fp8_decode_forms.py: each form's bench runs with its replacement in place and a compile cache
+    of its own (a saved step of another form has the same key), and the engine's functions and cache come back."""
+    import benchmarks.fp8_decode_forms as module
+    from server.kernels import fp8
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    engine_linear, engine_choice, seen = fp8.fp8_weight_only_linear, fp8.use_weight_only, []
+
+    def bench(argv):
+        seen.append((argv, fp8.fp8_weight_only_linear, fp8.use_weight_only, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        return 0
+
+    monkeypatch.setattr(module.cli, "main", bench)
+    assert module.main(["--preset", "tiny-moe", "--forms", "engine,stored-input,scaled-mm", "--", "--num-layers",
+                        "2"]) == 0
+    (engine_argv, *engine_run), (stored_argv, *stored_run), (_, *scaled_run) = seen
+    assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
+    assert engine_run == [engine_linear, engine_choice, str(tmp_path)]
+    assert stored_argv[-2:] == ["--quantize", "fp8"]
+    assert stored_run == [module.weight_only_input_stored, engine_choice, str(tmp_path / "form-stored-input")]
+    assert scaled_run == [engine_linear, module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
+    assert (fp8.fp8_weight_only_linear, fp8.use_weight_only) == (engine_linear, engine_choice)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    with pytest.raises(SystemExit):
+        module.main(["--forms", "engine,fastest"])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor needs a C++ compiler")
+def test_fp8_stored_input_form_stores_the_producer_once_and_matches_the_reference():
+    """The stored-input form: the input's producer (here attention's split combine) is stored before the FP8
+    reduction, where the engine's form recomputes it inside the reduction for every output row; same numbers."""
+    import benchmarks.fp8_decode_forms as module
+    from server.kernels import fp8
+    from tests.kernels.test_moe import _stored_buffers
+
+    heads, head_dim, out_features = 4, 16, 48
+    w_fp8, w_scale = fp8.quantize_fp8_rowwise(torch.randn(out_features, heads * head_dim))
+
+    def o_proj(linear):
+        def run(partial, lse):  # two splits' outputs combined by their log-sum-exp, then the FP8 linear
+            split_weights = torch.exp(lse - lse.amax(0))
+            out = (partial * split_weights.unsqueeze(-1)).sum(0) / split_weights.sum(0).unsqueeze(-1)
+            return linear(out.reshape(1, -1), w_fp8, w_scale, None, torch.float32)
+        return run
+
+    partial, lse = torch.randn(2, heads, head_dim), torch.randn(2, heads)
+    engine = _stored_buffers(o_proj(fp8.fp8_weight_only_linear), partial, lse)
+    stored = _stored_buffers(o_proj(module.weight_only_input_stored), partial, lse)
+    assert ("Pointwise", [1, heads * head_dim]) not in engine
+    assert ("Pointwise", [1, heads * head_dim]) in stored
+    with torch.no_grad():
+        got = torch.compile(o_proj(module.weight_only_input_stored), fullgraph=True)(partial, lse)
+    expected = o_proj(fp8.fp8_weight_only_reference)(partial, lse)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -14,7 +14,7 @@ import pytest
 import torch._inductor.compile_fx
 import torch.fx._symbolic_trace
 
-from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S
+from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S, describe_failure
 from server.engine.decode_graphs import DecodeGraphs
 from server.engine.engine import Engine
 from server.engine.model_runner import ModelRunner
@@ -268,3 +268,16 @@ def test_compiled_steps_run_while_another_thread_traces_with_fx(tiny_checkpoint,
     monkeypatch.setattr(torch.fx._symbolic_trace, "_is_fx_tracing_flag", True)  # as mid-trace on another thread
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected
     assert engine.runner.decode_graphs.shapes_run
+
+
+def test_a_compilers_failure_is_described_by_its_error_line_not_its_command_line():
+    command = "g++ " + " ".join(f"-I/include/path/{i}" for i in range(60)) + " main.cpp"
+    output = "main.cpp: In function 'void run()':\nmain.cpp:42:7: error: 'aoti_flex' was not declared in this scope"
+    compile_error = RuntimeError(f"C++ compile error\n\nCommand:\n{command}\n\nOutput:\n{output}")
+    wrapped = RuntimeError("backend failed")
+    wrapped.__cause__ = compile_error
+    described = describe_failure(wrapped)
+    assert described.startswith("RuntimeError, caused by RuntimeError: C++ compile error; Command:")
+    assert described.endswith("main.cpp:42:7: error: 'aoti_flex' was not declared in this scope")
+    # A short message that already shows its error line is not repeated.
+    assert describe_failure(RuntimeError("x.cpp:1: error: bad")) == "RuntimeError: x.cpp:1: error: bad"
