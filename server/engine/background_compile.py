@@ -102,7 +102,8 @@ COMPILER_ERROR = re.compile(r"\b(fatal )?error:")
 
 def describe_failure(exc: BaseException) -> str:
     """The exception and, where torch wrapped another (a backend that raised), the root cause: its type and its
-    first line of text, which is what names the failing op."""
+    first line of text, which is what names the failing op; and a compiler's first error line where it is further
+    on."""
     root = exc
     while root.__cause__ is not None and root.__cause__ is not root:
         root = root.__cause__
