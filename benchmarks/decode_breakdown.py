@@ -7,7 +7,9 @@
 --num-layers N keeps the first N layers (full widths: per-layer figures for a fraction of the compile);
 --list-step prints the kernels of the last profiled step in launch order, one line each (what one layer runs).
 
-Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler
+Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler (the
+prefill and the first decode step run before the profile; `--max-num-seqs 1 --eager-prefill` compile only the
+one-sequence step, a listing's quick form)
 and classifies every GPU kernel by name (regexes below; inductor names kernels after the ops it fused, so a
 fused kernel lands in the first category whose pattern it matches; `top_kernels` lists the biggest by name).
 gaps = wall time per step - kernel time; under the profiler the host side is several times slower, so the wall
@@ -21,6 +23,7 @@ import json
 import re
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -66,7 +69,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16,
                         help="the engine's largest batch: 1 compiles only the one-sequence step (a listing's quick form)")
     parser.add_argument("--eager-prefill", action="store_true",
-                        help="skip prefill's compile (its kernels then count in the per-step totals)")
+                        help="skip prefill's compile (never profiled: the profile holds decode steps only)")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -82,17 +85,14 @@ def main() -> None:
     # Every stage built before the profile (the no-graph step's C++ form too), then the profiled call once: a
     # compile or a kernel's autotuning inside the profile would count its benchmark launches as the step's.
     engine.warm_up()
-    params = SamplingParams(max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    # max_tokens: the prefill and the first decode step run before the profile, `steps` decode steps in it
+    params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
-    synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        engine.generate(prompts, params)
-        synchronize(device)
-        wall = time.perf_counter() - start
+    prof, wall = profile_decode_steps(engine, prompts, params, activities, device)
+    steps = args.steps
     if args.list_step:
-        print_last_step(prof, steps=args.steps + 1)
+        print_last_step(prof, steps=steps)
     per_category: dict[str, float] = defaultdict(float)
     kernels: dict[str, int] = defaultdict(int)
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # kernel name -> [count, ms]
@@ -103,7 +103,6 @@ def main() -> None:
             kernels[category] += 1
             by_name[event.name][0] += 1
             by_name[event.name][1] += event.device_time_total / 1e3
-    steps = args.steps + 1  # the prefill step is included; it is small next to 32 decode steps at 128 tokens
     kernel_ms = sum(per_category.values())
     rows = {c: round(ms / steps, 3) for c, ms in sorted(per_category.items(), key=lambda kv: -kv[1])}
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[: args.top]
@@ -116,6 +115,23 @@ def main() -> None:
                       "kernels_per_step": round(sum(kernels.values()) / steps, 1),
                       "ms_per_step_by_category": rows,
                       "kernels_per_step_by_category": {c: round(n / steps, 1) for c, n in kernels.items()}}, indent=1))
+
+
+def profile_decode_steps(engine: Engine, prompts, params: SamplingParams, activities, device: torch.device):
+    """Run `prompts` to completion with only their decode steps after the first inside the profile (the prefill,
+    eager or compiled, is not a decode step's) -> (the profile, its wall time in s)."""
+    for prompt in prompts:
+        engine.add_request(engine.make_request(prompt, replace(params)))
+    engine.step()  # launches the prefill
+    engine.step()  # launches the first decode step while the prefill's ids are read
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished:
+            engine.step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    return prof, wall
 
 
 def print_last_step(prof, steps: int) -> None:
