@@ -45,6 +45,46 @@ def down_upcast_bf16(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, d
                                               down_q.to(torch.bfloat16), down_scale)
 
 
+def outer_fp8(x, weights, expert_ids, gate_up_t, gate_up_scale, down_t, down_scale):
+    """Both expert projections with their weights stored transposed (gate_up_t [E, H, 2I], down_t [E, I, H]): each
+    reduction runs over rows of the output's contiguous width, so a block of outputs reads one contiguous run of
+    bytes per reduction step and the gather's index math is paid per row, not per element."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    x_slots = moe.token_slots(x, top_k).float().unsqueeze(-1)  # [T*k, H, 1]
+    inter = gate_up_t.shape[-1] // 2
+    gate, up = ((gate_up_t[:, :, rows][flat_ids].float() * x_slots).sum(1) * gate_up_scale[:, rows][flat_ids]
+                for rows in (slice(0, inter), slice(inter, None)))  # [T*k, I] each
+    return down_outer(F.silu(gate) * up, weights, flat_ids, down_t, down_scale).to(x.dtype)
+
+
+def down_outer_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_t, down_scale):
+    """The engine's gate/up, then the down reduction over down_t [E, I, H] (stored transposed) as outer_fp8's."""
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1), gate_up_scale)
+    return down_outer(act, weights, flat_ids, down_t, down_scale).to(x.dtype)
+
+
+def down_outer(act, weights, flat_ids, down_t, down_scale):
+    """sum over slots j and i of weights[j] * act[j, i] * down_t[id_j, i, h] * scale[id_j, h] -> [T, H] float32."""
+    num_tokens, top_k = weights.shape
+    weighted_act = (act.float() * weights.reshape(-1, 1).float()).unsqueeze(-1)  # [T*k, I, 1]
+    products = down_t[flat_ids].float() * down_scale[flat_ids].unsqueeze(1) * weighted_act  # [T*k, I, H]
+    return products.view(num_tokens, top_k, *products.shape[1:]).sum(dim=(1, 2))
+
+
+def transposed(call: tuple) -> tuple:
+    """An FP8 call's expert weights stored transposed: gate_up [E, 2I, H] -> [E, H, 2I], down [E, H, I] -> [E, I, H]."""
+    x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale = call
+    return (x, weights, expert_ids, gate_up_q.transpose(1, 2).contiguous(), gate_up_scale,
+            down_q.transpose(1, 2).contiguous(), down_scale)
+
+
+def down_transposed(call: tuple) -> tuple:
+    x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale = call
+    return x, weights, expert_ids, gate_up_q, gate_up_scale, down_q.transpose(1, 2).contiguous(), down_scale
+
+
 def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
     """The first of the two expert kernels alone: silu(gate) * up per slot -> [T*k, I]."""
     scale = scale_and_down[0] if len(scale_and_down) == 3 else None
@@ -52,14 +92,18 @@ def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
 
 
 def expert_forms() -> dict:
-    """name -> (takes FP8 weights, form, compiled with coordinate descent tuning too)."""
+    """name -> (takes FP8 weights, form, compiled with coordinate descent tuning too, the call's weights as the
+    form stores them)."""
+    same = None
     return {
-        "bf16": (False, moe._experts_gather_reduce, True),
-        "bf16 gate/up only": (False, gate_up_only, False),
-        "fp8": (True, moe_fp8._experts_gather_reduce_fp8, True),
-        "fp8 gate/up only": (True, gate_up_only, True),
-        "fp8 two-stage down": (True, down_two_stage_fp8, True),
-        "fp8 via bf16": (True, down_upcast_bf16, False),
+        "bf16": (False, moe._experts_gather_reduce, True, same),
+        "bf16 gate/up only": (False, gate_up_only, False, same),
+        "fp8": (True, moe_fp8._experts_gather_reduce_fp8, True, same),
+        "fp8 gate/up only": (True, gate_up_only, True, same),
+        "fp8 two-stage down": (True, down_two_stage_fp8, True, same),
+        "fp8 via bf16": (True, down_upcast_bf16, False, same),
+        "fp8 down transposed": (True, down_outer_fp8, True, down_transposed),
+        "fp8 both transposed": (True, outer_fp8, True, transposed),
     }
 
 
@@ -107,10 +151,11 @@ def run_experts(args, device: str, dtype: torch.dtype, gbps: float) -> None:
         calls.append(((x, weights, expert_ids, gate_up, down), (x, weights, expert_ids, gate_up_q, gate_up_scale,
                                                                  down_q, down_scale)))
     reference = moe_fp8.moe_experts_fp8_reference(*calls[0][1]).float()
-    for name, (is_fp8, form, tune_too) in expert_forms().items():
+    for name, (is_fp8, form, tune_too, stored_as) in expert_forms().items():
+        form_calls = [call[1] if is_fp8 else call[0] for call in calls]
+        form_calls = form_calls if stored_as is None else [stored_as(call) for call in form_calls]
         for tuned in (False, True) if tune_too else (False,):
             fn = compiled(form, tuned)
-            form_calls = [call[1] if is_fp8 else call[0] for call in calls]
             out = fn(*form_calls[0]).float()
             error = (out - reference).abs().max().item() if out.shape == reference.shape else float("nan")
             micros = device_micros(device, fn, form_calls, args.reps)
