@@ -12,6 +12,9 @@ Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1 --quantiz
   stored-input  the weight-only reduction with its input stored first, as the bf16 row reduction does
                 (gemv.row_reduction_linear): the producer (attention's combine, the SwiGLU, a norm) is not inlined
                 into the reduction and recomputed for every output row
+  stored-output the weight-only reduction's scaled output stored by its kernel, as a GEMM's output is: after the
+                FP8 qkv the q/k norm, rope and KV write ran as 5 kernels where bf16's GEMM output feeds 2
+  stored-both   both
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
@@ -39,7 +42,22 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
 
 def weight_only_input_stored(x, w_fp8, w_scale, bias, out_dtype):
     # as_strided makes inductor store x before the reduction reads it (gemv.row_reduction_linear's device)
-    return ENGINE_WEIGHT_ONLY(x.as_strided(x.shape, x.stride()), w_fp8, w_scale, bias, out_dtype)
+    return ENGINE_WEIGHT_ONLY(stored(x), w_fp8, w_scale, bias, out_dtype)
+
+
+def weight_only_output_stored(x, w_fp8, w_scale, bias, out_dtype):
+    # the scaled output stored by the reduction's kernel, as a GEMM's is: its readers read no scale
+    return stored(ENGINE_WEIGHT_ONLY(x, w_fp8, w_scale, bias, out_dtype))
+
+
+def weight_only_both_stored(x, w_fp8, w_scale, bias, out_dtype):
+    return stored(ENGINE_WEIGHT_ONLY(stored(x), w_fp8, w_scale, bias, out_dtype))
+
+
+def stored(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values; under torch.compile, inductor stores `tensor` in a buffer instead of inlining its
+    expression into every reader."""
+    return tensor.as_strided(tensor.shape, tensor.stride())
 
 
 ENGINE_WEIGHT_ONLY = fp8.fp8_weight_only_linear
@@ -47,6 +65,8 @@ FORMS = {  # name -> (module, attribute, replacement); the engine's form replace
     "engine": None,
     "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
     "stored-input": (fp8, "fp8_weight_only_linear", weight_only_input_stored),
+    "stored-output": (fp8, "fp8_weight_only_linear", weight_only_output_stored),
+    "stored-both": (fp8, "fp8_weight_only_linear", weight_only_both_stored),
 }
 
 

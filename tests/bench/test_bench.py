@@ -446,29 +446,31 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
                     reason="inductor needs a C++ compiler")
-def test_fp8_stored_input_form_stores_the_producer_once_and_matches_the_reference():
-    """The stored-input form: the input's producer (here attention's split combine) is stored before the FP8
-    reduction, where the engine's form recomputes it inside the reduction for every output row; same numbers."""
+@pytest.mark.parametrize("form, input_stored, output_stored", [("engine", False, False), ("stored-input", True, False),
+                                                               ("stored-output", False, True), ("stored-both", True, True)])
+def test_fp8_stored_forms_store_what_they_name_and_match_the_reference(form, input_stored, output_stored):
+    """fp8_decode_forms' weight-only forms: stored-input stores the input's producer (here attention's split
+    combine) before the FP8 reduction, where the engine's form recomputes it inside the reduction for every output
+    row; stored-output stores the scaled output, as a GEMM's; all compute the reference's numbers."""
     import benchmarks.fp8_decode_forms as module
     from server.kernels import fp8
     from tests.kernels.test_moe import _stored_buffers
 
     heads, head_dim, out_features = 4, 16, 48
     w_fp8, w_scale = fp8.quantize_fp8_rowwise(torch.randn(out_features, heads * head_dim))
+    linear = fp8.fp8_weight_only_linear if form == "engine" else module.FORMS[form][2]
 
     def o_proj(linear):
         def run(partial, lse):  # two splits' outputs combined by their log-sum-exp, then the FP8 linear
             split_weights = torch.exp(lse - lse.amax(0))
             out = (partial * split_weights.unsqueeze(-1)).sum(0) / split_weights.sum(0).unsqueeze(-1)
-            return linear(out.reshape(1, -1), w_fp8, w_scale, None, torch.float32)
+            return linear(out.reshape(1, -1), w_fp8, w_scale, None, torch.float32) * 2
         return run
 
     partial, lse = torch.randn(2, heads, head_dim), torch.randn(2, heads)
-    engine = _stored_buffers(o_proj(fp8.fp8_weight_only_linear), partial, lse)
-    stored = _stored_buffers(o_proj(module.weight_only_input_stored), partial, lse)
-    assert ("Pointwise", [1, heads * head_dim]) not in engine
-    assert ("Pointwise", [1, heads * head_dim]) in stored
+    buffers = _stored_buffers(o_proj(linear), partial, lse)
+    assert (("Pointwise", [1, heads * head_dim]) in buffers) == input_stored, buffers
+    assert (("Pointwise", [1, out_features]) in buffers[:-1]) == output_stored, buffers  # the last: the `* 2`
     with torch.no_grad():
-        got = torch.compile(o_proj(module.weight_only_input_stored), fullgraph=True)(partial, lse)
-    expected = o_proj(fp8.fp8_weight_only_reference)(partial, lse)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        got = torch.compile(o_proj(linear), fullgraph=True)(partial, lse)
+    torch.testing.assert_close(got, o_proj(fp8.fp8_weight_only_reference)(partial, lse), rtol=1e-5, atol=1e-5)
