@@ -90,7 +90,7 @@ def main() -> None:
     engine.generate(prompts, params)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     prof, wall = profile_decode_steps(engine, prompts, params, activities, device)
-    steps = args.steps
+    steps = args.steps  # decode steps in the profile
     if args.list_step:
         print_last_step(prof, steps=steps)
     per_category: dict[str, float] = defaultdict(float)

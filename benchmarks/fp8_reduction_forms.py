@@ -73,16 +73,15 @@ def down_outer(act, weights, flat_ids, down_t, down_scale):
     return products.view(num_tokens, top_k, *products.shape[1:]).sum(dim=(1, 2))
 
 
-def transposed(call: tuple) -> tuple:
-    """An FP8 call's expert weights stored transposed: gate_up [E, 2I, H] -> [E, H, 2I], down [E, H, I] -> [E, I, H]."""
-    x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale = call
-    return (x, weights, expert_ids, gate_up_q.transpose(1, 2).contiguous(), gate_up_scale,
-            down_q.transpose(1, 2).contiguous(), down_scale)
-
-
 def down_transposed(call: tuple) -> tuple:
-    x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale = call
-    return x, weights, expert_ids, gate_up_q, gate_up_scale, down_q.transpose(1, 2).contiguous(), down_scale
+    """An FP8 call with the down weights stored transposed: [E, H, I] -> [E, I, H]."""
+    return (*call[:5], call[5].transpose(1, 2).contiguous(), call[6])
+
+
+def transposed(call: tuple) -> tuple:
+    """An FP8 call with both expert weights stored transposed: gate_up [E, 2I, H] -> [E, H, 2I], down as above."""
+    call = down_transposed(call)
+    return (*call[:3], call[3].transpose(1, 2).contiguous(), *call[4:])
 
 
 def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
