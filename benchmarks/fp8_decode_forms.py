@@ -3,18 +3,11 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
 `server.kernels` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
-    PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --forms engine,stored-input \
-        --graphs off -- --num-layers 12
+    PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
 
 Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1 --quantize fp8` at every `--graphs` setting):
   engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
-  stored-input  the weight-only reduction with its input stored first, as the bf16 row reduction does
-                (gemv.row_reduction_linear): the producer (attention's combine, the SwiGLU, a norm) is not inlined
-                into the reduction and recomputed for every output row
-  stored-output the weight-only reduction's scaled output stored by its kernel, as a GEMM's output is: after the
-                FP8 qkv the q/k norm, rope and KV write ran as 5 kernels where bf16's GEMM output feeds 2
-  stored-both   both
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
@@ -40,33 +33,9 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
-def weight_only_input_stored(x, w_fp8, w_scale, bias, out_dtype):
-    # as_strided makes inductor store x before the reduction reads it (gemv.row_reduction_linear's device)
-    return ENGINE_WEIGHT_ONLY(stored(x), w_fp8, w_scale, bias, out_dtype)
-
-
-def weight_only_output_stored(x, w_fp8, w_scale, bias, out_dtype):
-    # the scaled output stored by the reduction's kernel, as a GEMM's is: its readers read no scale
-    return stored(ENGINE_WEIGHT_ONLY(x, w_fp8, w_scale, bias, out_dtype))
-
-
-def weight_only_both_stored(x, w_fp8, w_scale, bias, out_dtype):
-    return stored(ENGINE_WEIGHT_ONLY(stored(x), w_fp8, w_scale, bias, out_dtype))
-
-
-def stored(tensor: torch.Tensor) -> torch.Tensor:
-    """The same values; under torch.compile, inductor stores `tensor` in a buffer instead of inlining its
-    expression into every reader."""
-    return tensor.as_strided(tensor.shape, tensor.stride())
-
-
-ENGINE_WEIGHT_ONLY = fp8.fp8_weight_only_linear
 FORMS = {  # name -> (module, attribute, replacement); the engine's form replaces nothing
     "engine": None,
     "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
-    "stored-input": (fp8, "fp8_weight_only_linear", weight_only_input_stored),
-    "stored-output": (fp8, "fp8_weight_only_linear", weight_only_output_stored),
-    "stored-both": (fp8, "fp8_weight_only_linear", weight_only_both_stored),
 }
 
 

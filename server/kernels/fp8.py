@@ -107,10 +107,14 @@ def fp8_weight_only_linear(
 ) -> torch.Tensor:
     """x @ (w_fp8 * w_scale).T + bias -> [M, N]: one reduction over K reading the weight as FP8 (see the module
     docstring: for torch.compile)."""
+    # as_strided stores x first and the output after: otherwise inductor inlines x's producer (a norm, attention's
+    # combine) into the reduction, recomputed per output row, and the scaled output into each reader
+    x = x.as_strided(x.shape, x.stride())
     out = (x.float().unsqueeze(1) * w_fp8.float().unsqueeze(0)).sum(-1) * w_scale.view(1, -1)  # [M, N]
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype)
+    out = out.to(out_dtype)
+    return out.as_strided(out.shape, out.stride())
 
 
 def fp8_weight_only_reference(x, w_fp8, w_scale, bias, out_dtype):

@@ -10,7 +10,6 @@ import gc
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -430,13 +429,11 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
         return 0
 
     monkeypatch.setattr(module.cli, "main", bench)
-    assert module.main(["--preset", "tiny-moe", "--forms", "engine,stored-input,scaled-mm", "--", "--num-layers",
-                        "2"]) == 0
-    (engine_argv, *engine_run), (stored_argv, *stored_run), (_, *scaled_run) = seen
+    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm", "--", "--num-layers", "2"]) == 0
+    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
     assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
     assert engine_run == [engine_linear, engine_choice, str(tmp_path)]
-    assert stored_argv[-2:] == ["--quantize", "fp8"]
-    assert stored_run == [module.weight_only_input_stored, engine_choice, str(tmp_path / "form-stored-input")]
+    assert scaled_argv[-2:] == ["--quantize", "fp8"]
     assert scaled_run == [engine_linear, module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
     assert (fp8.fp8_weight_only_linear, fp8.use_weight_only) == (engine_linear, engine_choice)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
@@ -444,33 +441,3 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
         module.main(["--forms", "engine,fastest"])
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
-                    reason="inductor needs a C++ compiler")
-@pytest.mark.parametrize("form, input_stored, output_stored", [("engine", False, False), ("stored-input", True, False),
-                                                               ("stored-output", False, True), ("stored-both", True, True)])
-def test_fp8_stored_forms_store_what_they_name_and_match_the_reference(form, input_stored, output_stored):
-    """fp8_decode_forms' weight-only forms: stored-input stores the input's producer (here attention's split
-    combine) before the FP8 reduction, where the engine's form recomputes it inside the reduction for every output
-    row; stored-output stores the scaled output, as a GEMM's; all compute the reference's numbers."""
-    import benchmarks.fp8_decode_forms as module
-    from server.kernels import fp8
-    from tests.kernels.test_moe import _stored_buffers
-
-    heads, head_dim, out_features = 4, 16, 48
-    w_fp8, w_scale = fp8.quantize_fp8_rowwise(torch.randn(out_features, heads * head_dim))
-    linear = fp8.fp8_weight_only_linear if form == "engine" else module.FORMS[form][2]
-
-    def o_proj(linear):
-        def run(partial, lse):  # two splits' outputs combined by their log-sum-exp, then the FP8 linear
-            split_weights = torch.exp(lse - lse.amax(0))
-            out = (partial * split_weights.unsqueeze(-1)).sum(0) / split_weights.sum(0).unsqueeze(-1)
-            return linear(out.reshape(1, -1), w_fp8, w_scale, None, torch.float32) * 2
-        return run
-
-    partial, lse = torch.randn(2, heads, head_dim), torch.randn(2, heads)
-    buffers = _stored_buffers(o_proj(linear), partial, lse)
-    assert (("Pointwise", [1, heads * head_dim]) in buffers) == input_stored, buffers
-    assert (("Pointwise", [1, out_features]) in buffers[:-1]) == output_stored, buffers  # the last: the `* 2`
-    with torch.no_grad():
-        got = torch.compile(o_proj(linear), fullgraph=True)(partial, lse)
-    torch.testing.assert_close(got, o_proj(fp8.fp8_weight_only_reference)(partial, lse), rtol=1e-5, atol=1e-5)

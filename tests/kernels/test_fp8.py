@@ -99,6 +99,34 @@ def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens,
     assert _rel_err(out, twin) < 1e-2
 
 
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+def test_compiled_weight_only_linear_stores_its_input_and_its_output():
+    """The weight-only reduction stores its input's producer (here attention's split combine) once instead of
+    recomputing it in the reduction for every output row, and its scaled output once instead of inside each
+    reader, as a GEMM's output is; the reference's numbers either way."""
+    from tests.kernels.test_moe import _stored_buffers
+
+    heads, head_dim, out_features = 4, 16, 48
+    w_fp8, w_scale = fp8.quantize_fp8_rowwise(torch.randn(out_features, heads * head_dim))
+
+    def o_proj(linear):
+        def run(partial, lse):  # two splits' outputs combined by their log-sum-exp, then the FP8 linear
+            split_weights = torch.exp(lse - lse.amax(0))
+            out = (partial * split_weights.unsqueeze(-1)).sum(0) / split_weights.sum(0).unsqueeze(-1)
+            return linear(out.reshape(1, -1), w_fp8, w_scale, None, torch.float32) * 2
+        return run
+
+    partial, lse = torch.randn(2, heads, head_dim), torch.randn(2, heads)
+    buffers = _stored_buffers(o_proj(fp8.fp8_weight_only_linear), partial, lse)
+    assert ("Pointwise", [1, heads * head_dim]) in buffers, buffers  # the combined input
+    assert ("Pointwise", [1, out_features]) in buffers[:-1], buffers  # the scaled output; the last: the `* 2`
+    with torch.no_grad():
+        got = torch.compile(o_proj(fp8.fp8_weight_only_linear), fullgraph=True)(partial, lse)
+    torch.testing.assert_close(got, o_proj(fp8.fp8_weight_only_reference)(partial, lse), rtol=1e-5, atol=1e-5)
+
+
 def test_fp8_linear_module_copied_from_a_linear_and_fused_rows():
     linear = torch.nn.Linear(96, 48, bias=True, dtype=torch.bfloat16)
     layer = fp8.Fp8Linear(96, 48, bias=True, dtype=torch.bfloat16)
