@@ -1,6 +1,6 @@
 """FP8 decode at one token in candidate forms side by side, one process, with and without CUDA graphs (without: the
 Mac-like mode, every kernel launched from the host). Each form other than the engine's replaces one function of
-`server.kernels` in this process only: a measurement, not a setting.
+`server` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
@@ -8,6 +8,9 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
 Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1 --quantize fp8` at every `--graphs` setting):
   engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+  stored-moe-input  Qwen3-MoE blocks store their input (the post-attention norm's output) first: with FP8
+                linears the tuned step runs the bf16 router as a reduction, and it and the FP8 experts' gate/up
+                recompute the norm for every output row where bf16's router GEMM makes inductor store it
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
@@ -25,6 +28,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where 
 from server import cli
 from server.kernels import fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
+from server.models import layers
 
 
 def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
@@ -33,9 +37,16 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
+def moe_input_stored(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
+    # as_strided makes inductor store x before the router and the experts read it
+    return ENGINE_MOE_FORWARD(self, x.as_strided(x.shape, x.stride()), fuse_top_k)
+
+
+ENGINE_MOE_FORWARD = layers.SoftmaxMoE.forward
 FORMS = {  # name -> (module, attribute, replacement); the engine's form replaces nothing
     "engine": None,
     "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
+    "stored-moe-input": (layers.SoftmaxMoE, "forward", moe_input_stored),
 }
 
 

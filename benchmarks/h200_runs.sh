@@ -14,7 +14,7 @@
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   fp8forms   Llama-3.1-8B (FP8FORMS_PRESET), batch 1, CUDA graphs on then off (FP8FORMS_GRAPHS): bf16, FP8 as the
 #              engine picks (weight-only at one token), FP8 through scaled_mm (forced), in one process
-#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine; FP8FORMS_ARGS
+#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine,stored-moe-input; FP8FORMS_ARGS
 #              adds to the bench's arguments, e.g. "--num-layers 12"; up to FP8FORMS_LIMIT_S, 560 s)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,

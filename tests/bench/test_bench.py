@@ -10,6 +10,7 @@ import gc
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -420,24 +421,53 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
     of its own (a saved step of another form has the same key), and the engine's functions and cache come back."""
     import benchmarks.fp8_decode_forms as module
     from server.kernels import fp8
+    from server.models.layers import SoftmaxMoE
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_linear, engine_choice, seen = fp8.fp8_weight_only_linear, fp8.use_weight_only, []
+    engine_choice, engine_moe, seen = fp8.use_weight_only, SoftmaxMoE.forward, []
 
     def bench(argv):
-        seen.append((argv, fp8.fp8_weight_only_linear, fp8.use_weight_only, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        seen.append((argv, fp8.use_weight_only, SoftmaxMoE.forward, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
         return 0
 
     monkeypatch.setattr(module.cli, "main", bench)
-    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm", "--", "--num-layers", "2"]) == 0
-    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
+    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm,stored-moe-input", "--", "--num-layers",
+                        "2"]) == 0
+    (engine_argv, *engine_run), (scaled_argv, *scaled_run), (stored_argv, *stored_run) = seen
     assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
-    assert engine_run == [engine_linear, engine_choice, str(tmp_path)]
-    assert scaled_argv[-2:] == ["--quantize", "fp8"]
-    assert scaled_run == [engine_linear, module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
-    assert (fp8.fp8_weight_only_linear, fp8.use_weight_only) == (engine_linear, engine_choice)
+    assert engine_run == [engine_choice, engine_moe, str(tmp_path)]
+    assert scaled_argv[-2:] == stored_argv[-2:] == ["--quantize", "fp8"]
+    assert scaled_run == [module.scaled_mm_at_one_token, engine_moe, str(tmp_path / "form-scaled-mm")]
+    assert stored_run == [engine_choice, module.moe_input_stored, str(tmp_path / "form-stored-moe-input")]
+    assert (fp8.use_weight_only, SoftmaxMoE.forward) == (engine_choice, engine_moe)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
+                    reason="inductor needs a C++ compiler")
+def test_fp8_decode_forms_stored_moe_input_computes_the_reference_numbers():
+    """The stored-moe-input form, compiled at one token with FP8 experts, equals the FP8 experts' twin."""
+    import benchmarks.fp8_decode_forms as module
+    from server.kernels import moe, moe_fp8
+    from server.models.layers import SoftmaxMoE
+    from server.models.quant import Fp8FusedExperts
+
+    block = SoftmaxMoE(hidden_size=32, num_experts=16, top_k=2, intermediate_size=8, renormalize=True)
+    torch.nn.init.normal_(block.experts.gate_up_proj, std=0.2)
+    torch.nn.init.normal_(block.experts.down_proj, std=0.2)
+    fp8_experts = Fp8FusedExperts(block.experts)
+    fp8_experts.copy_from(block.experts)
+    block.experts = fp8_experts
+    x = torch.randn(1, 32)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda t: module.moe_input_stored(block, t), fullgraph=True, dynamic=False)(x)
+        weights, expert_ids = moe.route_softmax(block.gate(x), 2, True)
+        want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, fp8_experts.gate_up_proj,
+                                                  fp8_experts.gate_up_scale, fp8_experts.down_proj,
+                                                  fp8_experts.down_scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
