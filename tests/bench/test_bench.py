@@ -440,9 +440,34 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
     assert scaled_run == [module.scaled_mm_at_one_token, engine_moe, str(tmp_path / "form-scaled-mm")]
     assert stored_run == [engine_choice, module.moe_input_stored, str(tmp_path / "form-stored-moe-input")]
     assert (fp8.use_weight_only, SoftmaxMoE.forward) == (engine_choice, engine_moe)
+    engine_top_k, seen[:] = module.moe.fuses_top_k, []
+    monkeypatch.setattr(module.cli, "main", lambda argv: seen.append((argv, module.moe.fuses_top_k)) or 0)
+    assert module.main(["--forms", "fused-top-k", "--form-quantize", "none,fp8"]) == 0
+    assert seen == [([*seen[0][0][:-2], "--quantize", "none,fp8"], module.top_k_fused_in_every_step)]
+    assert module.moe.fuses_top_k is engine_top_k
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])
+
+
+def test_fp8_decode_forms_fused_top_k_fuses_inline_layers_too(monkeypatch):
+    """The fused-top-k form: a router compiled inline (fuse=False, every layer on torch < 2.13) traces no
+    torch.topk, and picks topk's experts."""
+    import benchmarks.fp8_decode_forms as module
+    from server.kernels import moe
+
+    monkeypatch.setattr(moe, "fuses_top_k", module.top_k_fused_in_every_step)
+    traced_ops = []
+
+    def record(graph_module, example_inputs):
+        traced_ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    logits = torch.randn(3, 16)
+    _, expert_ids = torch.compile(lambda t: moe.route_softmax(t, 4, True, False), backend=record, fullgraph=True)(logits)
+    assert traced_ops and not any("topk" in op for op in traced_ops)
+    assert torch.equal(expert_ids.sort(-1).values, logits.topk(4, -1).indices.sort(-1).values)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
