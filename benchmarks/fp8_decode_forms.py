@@ -5,7 +5,7 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
 
-Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1 --quantize fp8` at every `--graphs` setting):
+Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting):
   engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   stored-moe-input  Qwen3-MoE blocks store their input (the post-attention norm's output) first: with FP8
