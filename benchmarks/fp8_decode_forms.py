@@ -31,6 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where 
 from server import cli
 from server.kernels import fp8, moe
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
+from server.kernels.gemv import stored
 from server.models import layers
 
 
@@ -41,8 +42,7 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
 
 
 def moe_input_stored(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-    # as_strided makes inductor store x before the router and the experts read it
-    return ENGINE_MOE_FORWARD(self, x.as_strided(x.shape, x.stride()), fuse_top_k)
+    return ENGINE_MOE_FORWARD(self, stored(x), fuse_top_k)  # stored before the router and the experts read it
 
 
 def top_k_fused_in_every_step(top_k: int, fuse: bool = True) -> bool:

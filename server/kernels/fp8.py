@@ -24,6 +24,7 @@ from torch import nn
 
 from server.kernels import compat
 from server.kernels.capabilities import fast_path_failed, fp8_rowwise_ok, fp8_weight_only_ok, with_fallback
+from server.kernels.gemv import stored
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -107,14 +108,13 @@ def fp8_weight_only_linear(
 ) -> torch.Tensor:
     """x @ (w_fp8 * w_scale).T + bias -> [M, N]: one reduction over K reading the weight as FP8 (see the module
     docstring: for torch.compile)."""
-    # as_strided stores x first and the output after: otherwise inductor inlines x's producer (a norm, attention's
-    # combine) into the reduction, recomputed per output row, and the scaled output into each reader
-    x = x.as_strided(x.shape, x.stride())
+    # x stored first and the output after: else inductor inlines x's producer (a norm, attention's combine) into
+    # the reduction, recomputed per output row, and the scaled output into each reader
+    x = stored(x)
     out = (x.float().unsqueeze(1) * w_fp8.float().unsqueeze(0)).sum(-1) * w_scale.view(1, -1)  # [M, N]
     if bias is not None:
         out = out + bias.float()
-    out = out.to(out_dtype)
-    return out.as_strided(out.shape, out.stride())
+    return stored(out.to(out_dtype))
 
 
 def fp8_weight_only_reference(x, w_fp8, w_scale, bias, out_dtype):

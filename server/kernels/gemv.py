@@ -31,13 +31,17 @@ class RowReductionLinear(nn.Linear):
 def row_reduction_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T + bias -> [..., N] as one reduction over K, accumulated in float32 and
     rounded once to x.dtype (for torch.compile: see the module docstring)."""
-    # as_strided makes inductor store x first: otherwise x's producer (silu(gate) * up, attention's combine) is
-    # inlined into the reduction and recomputed for every output row
-    x = x.as_strided(x.shape, x.stride())
+    x = stored(x)  # else x's producer (silu(gate) * up, attention's combine) is recomputed for every output row
     out = (x.float().unsqueeze(-2) * weight.float()).sum(-1)  # [..., 1, K] * [N, K] -> [..., N]
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def stored(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values; under torch.compile, inductor stores `tensor` in a buffer (an as_strided view is a
+    realization point) instead of inlining its expression into every reader."""
+    return tensor.as_strided(tensor.shape, tensor.stride())
 
 
 def reduces_one_token(device: torch.device) -> bool:
