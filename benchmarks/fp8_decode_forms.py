@@ -8,14 +8,8 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
 Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting):
   engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
-  stored-moe-input  Qwen3-MoE blocks store their input (the post-attention norm's output) first: with FP8
-                linears the tuned step runs the bf16 router as a reduction, and it and the FP8 experts' gate/up
-                recompute the norm for every output row where bf16's router GEMM makes inductor store it
-  fused-top-k   the routers' top-k as k rounds of max-then-mask in every compiled step (one kernel with the
-                softmax), where the engine fuses it only in layer regions (torch >= 2.13) and inline layers call
-                torch.topk (a kernel of its own per layer): the cost is compile time per inline layer
-A form runs at `--form-quantize` (fp8; `none,fp8` for a form that is not FP8's). Arguments after `--` go to the
-bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines carry kernels/step.
+Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
+carry kernels/step.
 """
 
 from __future__ import annotations
@@ -29,10 +23,8 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8, moe
+from server.kernels import fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
-from server.kernels.gemv import stored
-from server.models import layers
 
 
 def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
@@ -41,20 +33,9 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
-def moe_input_stored(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-    return ENGINE_MOE_FORWARD(self, stored(x), fuse_top_k)  # stored before the router and the experts read it
-
-
-def top_k_fused_in_every_step(top_k: int, fuse: bool = True) -> bool:
-    return torch.compiler.is_compiling() and top_k <= moe.MAX_FUSED_TOP_K
-
-
-ENGINE_MOE_FORWARD = layers.SoftmaxMoE.forward
 FORMS = {  # name -> (module, attribute, replacement); the engine's form replaces nothing
     "engine": None,
     "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
-    "stored-moe-input": (layers.SoftmaxMoE, "forward", moe_input_stored),
-    "fused-top-k": (moe, "fuses_top_k", top_k_fused_in_every_step),
 }
 
 
@@ -65,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--graphs", default="off", help="on, off or on,off: as the bench's --graphs")
     parser.add_argument("--forms", default="engine,scaled-mm", help=f"comma-separated, of {', '.join(FORMS)}")
-    parser.add_argument("--form-quantize", default="fp8", help="the --quantize of every form but the engine's")
     parser.add_argument("--json", default=None, help="append every run's JSON lines here")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     forms = args.forms.split(",")
@@ -86,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         original = getattr(module, name)
         setattr(module, name, replacement)
         try:
-            status |= cli.main([*common, "--quantize", args.form_quantize])
+            status |= cli.main([*common, "--quantize", "fp8"])
         finally:
             setattr(module, name, original)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = engine_cache

@@ -14,8 +14,7 @@
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
 #   fp8forms   Llama-3.1-8B (FP8FORMS_PRESET), batch 1, CUDA graphs on then off (FP8FORMS_GRAPHS): bf16, FP8 as the
 #              engine picks (weight-only at one token), FP8 through scaled_mm (forced), in one process
-#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine,stored-moe-input, at
-#              FP8FORMS_FORM_QUANTIZE, fp8 or none,fp8 for engine,fused-top-k; FP8FORMS_ARGS
+#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine; FP8FORMS_ARGS
 #              adds to the bench's arguments, e.g. "--num-layers 12"; up to FP8FORMS_LIMIT_S, 560 s)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,
@@ -105,7 +104,6 @@ for case in "$@"; do
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
     fp8forms) timeout ${FP8FORMS_LIMIT_S:-560} python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
                 --graphs ${FP8FORMS_GRAPHS:-on,off} --forms ${FP8FORMS_FORMS:-engine,scaled-mm} \
-                --form-quantize ${FP8FORMS_FORM_QUANTIZE:-fp8} \
                 --json "$out/fp8forms.jsonl" -- ${FP8FORMS_ARGS:-} > "$out/fp8forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout ${BREAKDOWN_LIMIT_S:-300} python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \

@@ -15,7 +15,7 @@ from torch import nn
 
 from server.kernels import compat
 from server.kernels import moe as moe_ops
-from server.kernels.gemv import RowReductionLinear
+from server.kernels.gemv import RowReductionLinear, stored
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.rope import rope_attention_factor, rope_inv_freq
@@ -220,6 +220,7 @@ class SoftmaxMoE(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
+        x = stored(x)  # else the router and the experts, compiled as reductions, recompute the norm per row
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         return self.experts(x, weights, expert_ids)
 

@@ -10,7 +10,6 @@ import gc
 import json
 import math
 import os
-import shutil
 
 import pytest
 import torch
@@ -418,80 +417,25 @@ def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
 
 def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restores(monkeypatch, tmp_path):
     """benchmarks/fp8_decode_forms.py: each form's bench runs with its replacement in place and a compile cache
-    of its own (a saved step of another form has the same key), and the engine's functions and cache come back."""
+    of its own (a saved step of another form has the same key), and the engine's function and cache come back."""
     import benchmarks.fp8_decode_forms as module
     from server.kernels import fp8
-    from server.models.layers import SoftmaxMoE
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_choice, engine_moe, seen = fp8.use_weight_only, SoftmaxMoE.forward, []
+    engine_choice, seen = fp8.use_weight_only, []
 
     def bench(argv):
-        seen.append((argv, fp8.use_weight_only, SoftmaxMoE.forward, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        seen.append((argv, fp8.use_weight_only, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
         return 0
 
     monkeypatch.setattr(module.cli, "main", bench)
-    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm,stored-moe-input", "--", "--num-layers",
-                        "2"]) == 0
-    (engine_argv, *engine_run), (scaled_argv, *scaled_run), (stored_argv, *stored_run) = seen
+    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm", "--", "--num-layers", "2"]) == 0
+    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
     assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
-    assert engine_run == [engine_choice, engine_moe, str(tmp_path)]
-    assert scaled_argv[-2:] == stored_argv[-2:] == ["--quantize", "fp8"]
-    assert scaled_run == [module.scaled_mm_at_one_token, engine_moe, str(tmp_path / "form-scaled-mm")]
-    assert stored_run == [engine_choice, module.moe_input_stored, str(tmp_path / "form-stored-moe-input")]
-    assert (fp8.use_weight_only, SoftmaxMoE.forward) == (engine_choice, engine_moe)
-    engine_top_k, seen[:] = module.moe.fuses_top_k, []
-    monkeypatch.setattr(module.cli, "main", lambda argv: seen.append((argv, module.moe.fuses_top_k)) or 0)
-    assert module.main(["--forms", "fused-top-k", "--form-quantize", "none,fp8"]) == 0
-    ((fused_argv, fused_choice),) = seen
-    assert fused_argv[-2:] == ["--quantize", "none,fp8"] and fused_choice is module.top_k_fused_in_every_step
-    assert module.moe.fuses_top_k is engine_top_k
+    assert engine_run == [engine_choice, str(tmp_path)]
+    assert scaled_argv[-2:] == ["--quantize", "fp8"]
+    assert scaled_run == [module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
+    assert fp8.use_weight_only is engine_choice
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])
-
-
-def test_fp8_decode_forms_fused_top_k_fuses_inline_layers_too(monkeypatch):
-    """The fused-top-k form: a router compiled inline (fuse=False, every layer on torch < 2.13) traces no
-    torch.topk, and picks topk's experts."""
-    import benchmarks.fp8_decode_forms as module
-    from server.kernels import moe
-
-    monkeypatch.setattr(moe, "fuses_top_k", module.top_k_fused_in_every_step)
-    traced_ops = []
-
-    def record(graph_module, example_inputs):
-        traced_ops.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
-        return graph_module.forward
-
-    torch._dynamo.reset()
-    logits = torch.randn(3, 16)
-    _, expert_ids = torch.compile(lambda t: moe.route_softmax(t, 4, True, False), backend=record, fullgraph=True)(logits)
-    assert traced_ops and not any("topk" in op for op in traced_ops)
-    assert torch.equal(expert_ids.sort(-1).values, logits.topk(4, -1).indices.sort(-1).values)
-
-
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("clang++") is None,
-                    reason="inductor needs a C++ compiler")
-def test_fp8_decode_forms_stored_moe_input_computes_the_reference_numbers():
-    """The stored-moe-input form, compiled at one token with FP8 experts, equals the FP8 experts' twin."""
-    import benchmarks.fp8_decode_forms as module
-    from server.kernels import moe, moe_fp8
-    from server.models.layers import SoftmaxMoE
-    from server.models.quant import Fp8FusedExperts
-
-    block = SoftmaxMoE(hidden_size=32, num_experts=16, top_k=2, intermediate_size=8, renormalize=True)
-    torch.nn.init.normal_(block.experts.gate_up_proj, std=0.2)
-    torch.nn.init.normal_(block.experts.down_proj, std=0.2)
-    fp8_experts = Fp8FusedExperts(block.experts)
-    fp8_experts.copy_from(block.experts)
-    block.experts = fp8_experts
-    x = torch.randn(1, 32)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        got = torch.compile(lambda t: module.moe_input_stored(block, t), fullgraph=True, dynamic=False)(x)
-        weights, expert_ids = moe.route_softmax(block.gate(x), 2, True)
-        want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, fp8_experts.gate_up_proj,
-                                                  fp8_experts.gate_up_scale, fp8_experts.down_proj,
-                                                  fp8_experts.down_scale)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

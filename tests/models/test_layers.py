@@ -111,3 +111,46 @@ def test_compiled_gated_attention_norms_q_and_k_heads_as_one_tensor():
     assert len(norms) == 1
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+class _ReductionRouter(torch.nn.Module):
+    """A router as the tuned CUDA step compiles it at one token: a reduction inductor generates, which (unlike a
+    library mm) does not need its input stored."""
+
+    def __init__(self, gate: torch.nn.Linear):
+        super().__init__()
+        self.weight = gate.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.unsqueeze(-2) * self.weight).sum(-1)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("block_kind", ["softmax", "sigmoid-bias"])
+def test_compiled_moe_block_stores_its_input_once_for_the_router_and_the_experts(block_kind):
+    """The MoE block's input (here the post-attention norm's output) is one stored buffer, not recomputed inside
+    the router's and each expert projection's reduction for every output row; the eager block's numbers."""
+    from server.models.hybrid import SigmoidBiasMoE
+    from server.models.layers import SoftmaxMoE
+    from tests.kernels.test_moe import _stored_buffers
+
+    hidden = 32
+    if block_kind == "softmax":
+        block = SoftmaxMoE(hidden, num_experts=16, top_k=2, intermediate_size=8, renormalize=True)
+    else:
+        block = SigmoidBiasMoE(hidden, 16, 2, 8, renormalize=True, scaling=1.0, use_bias=True)
+        block.expert_bias.normal_()
+    norm = RMSNorm(hidden)
+    for param in [*block.parameters(), *norm.parameters()]:
+        torch.nn.init.normal_(param, std=0.2)
+    block.gate = _ReductionRouter(block.gate)
+
+    def ffn(h):
+        return block(norm(h))
+
+    h = torch.randn(1, hidden)
+    assert ("Pointwise", [1, hidden]) in _stored_buffers(ffn, h)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(ffn, fullgraph=True)(h), ffn(h), rtol=1e-5, atol=1e-6)
