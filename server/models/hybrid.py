@@ -230,7 +230,7 @@ class SharedExpertMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        x = stored(x)  # read by four reductions (router, shared gate, shared expert, experts): computed once
+        x = stored(x)  # read by the router, the shared gate and both experts: computed once, not inside each
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         shared_weight = torch.sigmoid(self._shared_gate_logit(x))  # [T, 1]
         if self.shared_expert is not None:
