@@ -18,7 +18,7 @@ from torch import nn
 
 from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
-from server.kernels.gemv import RowReductionLinear, stored
+from server.kernels.gemv import RowReductionLinear
 from server.kernels.paged_attention import paged_attention, write_kv
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.layers import (
@@ -230,7 +230,6 @@ class SharedExpertMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        x = stored(x)  # read by the router, the shared gate and both experts: computed once, not inside each
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         shared_weight = torch.sigmoid(self._shared_gate_logit(x))  # [T, 1]
         if self.shared_expert is not None:
@@ -285,7 +284,6 @@ class SigmoidBiasMoE(nn.Module):
             self.expert_bias = torch.zeros(self.expert_bias.shape, dtype=torch.float32, device=self.expert_bias.device)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        x = stored(x)  # as SoftmaxMoE: the router and the experts' reductions read x, computed once
         bias = self.expert_bias if self.use_bias else None
         weights, expert_ids = moe_ops.route_sigmoid_bias(self.gate(x), bias, self.top_k, self.renormalize, self.scaling,
                                                         fuse_top_k)

@@ -220,7 +220,6 @@ class SoftmaxMoE(nn.Module):
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        x = stored(x)  # else the router and the experts, compiled as reductions, recompute the norm per row
         weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
         return self.experts(x, weights, expert_ids)
 
@@ -253,7 +252,9 @@ class DecoderLayer(nn.Module):
 def _layer_forward(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
     norm1, mixer, norm2, ffn = (getattr(layer, n) for n in layer.names)
     h = x + mixer(norm1(x), rope, meta, cache)
-    ffn_in = norm2(h)
+    # stored: else an FFN whose readers of it compile to reductions (an MoE block's router, experts and shared
+    # gate) recomputes the norm inside each of them, per output row
+    ffn_in = stored(norm2(h))
     return h + (ffn(ffn_in, fuse_top_k) if getattr(ffn, "routes_top_k", False) else ffn(ffn_in))
 
 

@@ -113,15 +113,16 @@ def test_compiled_gated_attention_norms_q_and_k_heads_as_one_tensor():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
 
 
-class _ReductionRouter(torch.nn.Module):
-    """A router as the tuned CUDA step compiles it at one token: a reduction inductor generates, which (unlike a
-    library mm) does not need its input stored."""
+class _OneTokenReduction(torch.nn.Module):
+    """A linear as the tuned CUDA step compiles it at one token (the router; o_proj, standing in for attention): a
+    reduction inductor generates, whose output is a stored buffer and whose input (unlike a library mm's) need not
+    be. Extra arguments (an attention's rope, metadata and cache) are ignored."""
 
-    def __init__(self, gate: torch.nn.Linear):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = gate.weight
+        self.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *ignored) -> torch.Tensor:
         return (x.unsqueeze(-2) * self.weight).sum(-1)
 
 
@@ -129,11 +130,11 @@ class _ReductionRouter(torch.nn.Module):
     shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
 )
 @pytest.mark.parametrize("block_kind", ["softmax", "sigmoid-bias"])
-def test_compiled_moe_block_stores_its_input_once_for_the_router_and_the_experts(block_kind):
-    """The MoE block's input (here the post-attention norm's output) is one stored buffer, not recomputed inside
-    the router's and each expert projection's reduction for every output row; the eager block's numbers."""
+def test_compiled_decoder_layer_stores_the_moe_block_input_once_for_the_router_and_the_experts(block_kind):
+    """A decoder layer stores its FFN's input (the post-attention norm's output) in one buffer, not recomputed
+    inside the MoE router's and each expert projection's reduction for every output row; the eager numbers."""
     from server.models.hybrid import SigmoidBiasMoE
-    from server.models.layers import SoftmaxMoE
+    from server.models.layers import DecoderLayer, SoftmaxMoE, _layer_forward
     from tests.kernels.test_moe import _stored_buffers
 
     hidden = 32
@@ -142,15 +143,17 @@ def test_compiled_moe_block_stores_its_input_once_for_the_router_and_the_experts
     else:
         block = SigmoidBiasMoE(hidden, 16, 2, 8, renormalize=True, scaling=1.0, use_bias=True)
         block.expert_bias.normal_()
-    norm = RMSNorm(hidden)
-    for param in [*block.parameters(), *norm.parameters()]:
+    layer = DecoderLayer(("input_layernorm", "mixer", "post_attention_layernorm", "mlp"), _OneTokenReduction(torch.empty(hidden, hidden)),
+                         block, lambda: RMSNorm(hidden))
+    for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.2)
-    block.gate = _ReductionRouter(block.gate)
+    block.gate = _OneTokenReduction(block.gate.weight)
 
-    def ffn(h):
-        return block(norm(h))
+    def decode(x):
+        return _layer_forward(layer, x, None, None, None, fuse_top_k=False)
 
-    h = torch.randn(1, hidden)
-    assert ("Pointwise", [1, hidden]) in _stored_buffers(ffn, h)
+    x = torch.randn(1, hidden)
+    assert ("Pointwise", [1, hidden]) in _stored_buffers(decode, x)[:-1]  # the last: the layer's output
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(ffn, fullgraph=True)(h), ffn(h), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.compile(decode, fullgraph=True)(x), decode(x), rtol=1e-5, atol=1e-6)
+
