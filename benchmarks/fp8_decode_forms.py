@@ -8,6 +8,9 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
 Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting):
   engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+  two-stage-down  bf16 and FP8 MoE experts with the down projection reduced per slot over I (FP8: the row scale as
+                its epilogue), then the routing-weighted sum over the k slots written as k pointwise terms, which
+                inductor can fuse into the residual add (a sum over k < 8 it unrolls itself, k = 8 it does not)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
@@ -23,7 +26,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8
+from server.kernels import fp8, moe, moe_fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 
 
@@ -33,9 +36,33 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
-FORMS = {  # name -> (module, attribute, replacement); the engine's form replaces nothing
-    "engine": None,
-    "scaled-mm": (fp8, "use_weight_only", scaled_mm_at_one_token),
+def slot_down_then_unrolled_combine(down_slots, act, weights, row_scale=None):
+    """down_slots [T*k, H, I] (gathered), act [T*k, I], weights [T, k], row_scale [T*k, H] or None -> [T, H]
+    float32: y_slots = down_slots @ act per slot (times the row scale), then sum_j weights[:, j] * y_slots[:, j]."""
+    num_tokens, top_k = weights.shape
+    y_slots = (down_slots.float() * act.float().unsqueeze(1)).sum(-1)  # [T*k, H]
+    y_slots = (y_slots if row_scale is None else y_slots * row_scale).view(num_tokens, top_k, -1)
+    terms = [y_slots[:, j] * weights[:, j, None].float() for j in range(top_k)]  # [T, H] each
+    return sum(terms[1:], terms[0])
+
+
+def two_stage_bf16(x, weights, expert_ids, gate_up, down):
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1))  # [T*k, I]
+    return slot_down_then_unrolled_combine(down[flat_ids], act, weights).to(x.dtype)
+
+
+def two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1), gate_up_scale)
+    return slot_down_then_unrolled_combine(down_q[flat_ids], act, weights, down_scale[flat_ids]).to(x.dtype)
+
+
+FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the engine's form replaces nothing
+    "engine": ("none,fp8", []),
+    "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
+    "two-stage-down": ("none,fp8", [(moe, "_experts_gather_reduce", two_stage_bf16),
+                                    (moe_fp8, "_experts_gather_reduce_fp8", two_stage_fp8)]),
 }
 
 
@@ -57,18 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     status, engine_cache = 0, cache_dir()
     for form in forms:
         print(f"== FP8 form: {form}", flush=True)
-        if FORMS[form] is None:
-            status |= cli.main([*common, "--quantize", "none,fp8"])
+        quantize, replacements = FORMS[form]
+        if not replacements:
+            status |= cli.main([*common, "--quantize", quantize])
             continue
-        module, name, replacement = FORMS[form]
         # a compile cache of its own: a saved step of the engine's form (torch >= 2.13) has the same key
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(engine_cache) / f"form-{form}")
-        original = getattr(module, name)
-        setattr(module, name, replacement)
+        originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
+        for module, name, replacement in replacements:
+            setattr(module, name, replacement)
         try:
-            status |= cli.main([*common, "--quantize", "fp8"])
+            status |= cli.main([*common, "--quantize", quantize])
         finally:
-            setattr(module, name, original)
+            for module, name, original in originals:
+                setattr(module, name, original)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = engine_cache
     return status
 

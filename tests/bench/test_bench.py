@@ -419,23 +419,51 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
     """benchmarks/fp8_decode_forms.py: each form's bench runs with its replacement in place and a compile cache
     of its own (a saved step of another form has the same key), and the engine's function and cache come back."""
     import benchmarks.fp8_decode_forms as module
-    from server.kernels import fp8
+    from server.kernels import fp8, moe, moe_fp8
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_choice, seen = fp8.use_weight_only, []
+    engine_choice, seen, seen_experts = fp8.use_weight_only, [], []
 
     def bench(argv):
         seen.append((argv, fp8.use_weight_only, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        seen_experts.append((moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8))
         return 0
 
+    engine_experts = (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8)
     monkeypatch.setattr(module.cli, "main", bench)
-    assert module.main(["--preset", "tiny-moe", "--forms", "engine,scaled-mm", "--", "--num-layers", "2"]) == 0
-    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
+    forms = "engine,scaled-mm,two-stage-down"
+    assert module.main(["--preset", "tiny-moe", "--forms", forms, "--", "--num-layers", "2"]) == 0
+    (engine_argv, *engine_run), (scaled_argv, *scaled_run), (two_stage_argv, *two_stage_run) = seen
     assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
     assert engine_run == [engine_choice, str(tmp_path)]
     assert scaled_argv[-2:] == ["--quantize", "fp8"]
     assert scaled_run == [module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
+    assert two_stage_argv[-2:] == ["--quantize", "none,fp8"]
+    assert two_stage_run == [engine_choice, str(tmp_path / "form-two-stage-down")]
+    assert seen_experts == [engine_experts, engine_experts, (module.two_stage_bf16, module.two_stage_fp8)]
     assert fp8.use_weight_only is engine_choice
+    assert (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8) == engine_experts
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fp8_decode_forms_two_stage_down_matches_the_reference_experts(fp8):
+    """The two-stage-down form (down per slot, then the routing-weighted sum as k pointwise terms) computes what
+    the experts' loop-over-experts twin does, at several tokens and a top-k above inductor's unroll threshold."""
+    import benchmarks.fp8_decode_forms as module
+    from server.kernels import moe, moe_fp8
+
+    num_experts, hidden, inter, top_k, num_tokens = 16, 64, 32, 8, 3
+    gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
+    x = torch.randn(num_tokens, hidden)
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts), top_k, True)
+    if fp8:
+        quantized = (*moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down))
+        got = module.two_stage_fp8(x, weights, expert_ids, *quantized)
+        want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
+    else:
+        got = module.two_stage_bf16(x, weights, expert_ids, gate_up, down)
+        want = moe.moe_experts_reference(x, weights, expert_ids, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
