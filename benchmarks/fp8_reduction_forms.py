@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.fp8_decode_forms import two_stage_bf16, two_stage_fp8
 from benchmarks.kernels import time_graph
 from server.bench.measure import copy_bandwidth_gb_s
 from server.kernels import moe, moe_fp8
@@ -90,6 +91,15 @@ def gate_up_only(x, weights, expert_ids, gate_up, *scale_and_down):
     return moe.slot_swiglu(gate_up, expert_ids.reshape(-1), moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1), scale)
 
 
+def then_add_and_norm(experts):
+    """The experts as a decoder layer ends with them: the residual add (x standing in for the residual) and the
+    next layer's RMSNorm, so a form's last step can fuse into that kernel -> (residual [T, H], normed [T, H])."""
+    def form(x, *rest):
+        residual = x + experts(x, *rest)
+        return residual, F.rms_norm(residual, residual.shape[-1:], None, 1e-6)
+    return form
+
+
 def expert_forms() -> dict:
     """name -> (takes FP8 weights, form, compiled with coordinate descent tuning too, the call's weights as the
     form stores them)."""
@@ -103,6 +113,10 @@ def expert_forms() -> dict:
         "fp8 via bf16": (True, down_upcast_bf16, False, same),
         "fp8 down transposed": (True, down_outer_fp8, True, down_transposed),
         "fp8 both transposed": (True, outer_fp8, True, transposed),
+        "bf16 +add&norm": (False, then_add_and_norm(moe._experts_gather_reduce), True, same),
+        "bf16 per-slot down +add&norm": (False, then_add_and_norm(two_stage_bf16), True, same),
+        "fp8 +add&norm": (True, then_add_and_norm(moe_fp8._experts_gather_reduce_fp8), True, same),
+        "fp8 per-slot down +add&norm": (True, then_add_and_norm(two_stage_fp8), True, same),
     }
 
 
@@ -151,11 +165,15 @@ def run_experts(args, device: str, dtype: torch.dtype, gbps: float) -> None:
                                                                  down_q, down_scale)))
     reference = moe_fp8.moe_experts_fp8_reference(*calls[0][1]).float()
     for name, (is_fp8, form, tune_too, stored_as) in expert_forms().items():
+        if args.match and args.match not in name:
+            continue
         form_calls = [call[1] if is_fp8 else call[0] for call in calls]
         form_calls = form_calls if stored_as is None else [stored_as(call) for call in form_calls]
         for tuned in (False, True) if tune_too else (False,):
             fn = compiled(form, tuned)
-            out = fn(*form_calls[0]).float()
+            out = fn(*form_calls[0])
+            # an add&norm form: its residual less x is the experts' output
+            out = out[0].float() - form_calls[0][0].float() if isinstance(out, tuple) else out.float()
             error = (out - reference).abs().max().item() if out.shape == reference.shape else float("nan")
             micros = device_micros(device, fn, form_calls, args.reps)
             weight_bytes = (2 if "gate/up" in name else 3) * k * hidden * inter * (1 if is_fp8 else dtype.itemsize)
@@ -180,7 +198,7 @@ def run_lm_head(args, device: str, dtype: torch.dtype, gbps: float) -> None:
 
 def report(name: str, micros: float, weight_bytes: int, gbps: float, error: float) -> None:
     ideal = weight_bytes / gbps / 1e3
-    print(f"{name:34s} {micros:9.1f} us  ideal {ideal:8.1f} us  {ideal / micros:6.1%}  max err {error:.3g}", flush=True)
+    print(f"{name:42s} {micros:9.1f} us  ideal {ideal:8.1f} us  {ideal / micros:6.1%}  max err {error:.3g}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--only", choices=["experts", "lm_head"], default=None)
+    parser.add_argument("--match", default=None, help="only the expert forms whose name contains this, e.g. add&norm")
     args = parser.parse_args(argv)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     gbps = copy_bandwidth_gb_s(torch.device(args.device), 4 << 30 if args.device == "cuda" else 256 << 20)  # as the bench

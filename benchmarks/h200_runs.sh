@@ -39,7 +39,8 @@
 #   fp8reduce  FP8 weight-only reductions at one token op by op beside bf16 and scaled_mm (Qwen3-30B-A3B's experts and
 #              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
 #              each also with inductor's coordinate descent tuning (FP8REDUCE_ONLY=experts, FP8REDUCE_SHAPES= skips the
-#              Llama shapes; the first part up to FP8REDUCE_LIMIT_S, 280 s)
+#              Llama shapes; FP8REDUCE_MATCH="add&norm" only the expert forms so named; the first part up to
+#              FP8REDUCE_LIMIT_S, 280 s)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths;
 #              LAYERS_PRESETS picks some, LAYERS_ARGS="--quantize fp8" adds to decode_breakdown's arguments, each run up
 #              to LAYERS_LIMIT_S, 150 s; only the one-sequence step is compiled)
@@ -109,7 +110,7 @@ for case in "$@"; do
     breakdown) timeout ${BREAKDOWN_LIMIT_S:-300} python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;
     fp8reduce) timeout ${FP8REDUCE_LIMIT_S:-280} python3 benchmarks/fp8_reduction_forms.py ${FP8REDUCE_ONLY:+--only $FP8REDUCE_ONLY} \
-                 > "$out/fp8reduce.txt" 2>&1
+                 ${FP8REDUCE_MATCH:+--match "$FP8REDUCE_MATCH"} > "$out/fp8reduce.txt" 2>&1
                for shape in ${FP8REDUCE_SHAPES-4096:128256 4096:28672 14336:4096}; do set -- ${shape//:/ }
                  timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;

@@ -400,17 +400,20 @@ def test_bench_runs_without_the_server_dependencies(tmp_path):
 
 def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
     """benchmarks/fp8_reduction_forms.py on the CPU, small widths: every FP8 weight-only form it times (the engine's
-    experts, its two-stage, bf16-converted and transposed-weight variants, the lm_head reduction) computes what the
-    dequantized float32 reference does, so its timings compare equal work."""
+    experts, its two-stage, bf16-converted and transposed-weight variants, the engine's and the per-slot down
+    followed by the residual add and norm, the lm_head reduction) computes what the dequantized float32 reference
+    does, so its timings compare equal work."""
     import benchmarks.fp8_reduction_forms as module
 
     argv = ["--device", "cpu", "--layers", "2", "--experts", "8", "--hidden", "64", "--inter", "32", "--top-k", "3",
             "--vocab", "96", "--reps", "1"]
     assert module.main(argv) == 0
-    rows = {line[:34].strip(): line for line in capsys.readouterr().out.splitlines() if " us  ideal " in line}
+    rows = {line.split(" us  ideal ")[0].rsplit(None, 1)[0]: line
+            for line in capsys.readouterr().out.splitlines() if " us  ideal " in line}
     checked = [name for name in rows if "fp8" in name and "gate/up" not in name and "scaled_mm" not in name]
-    # experts: fp8, two-stage, down transposed, both transposed (each +cdt), via bf16; lm_head weight-only (+cdt)
-    assert len(checked) == 11, sorted(rows)
+    # experts: fp8, two-stage, down transposed, both transposed, +add&norm, per-slot down +add&norm (each +cdt), via
+    # bf16; lm_head weight-only (+cdt)
+    assert len(checked) == 15, sorted(rows)
     for name in checked:
         assert float(rows[name].rsplit("max err ", 1)[1]) < 1e-5, rows[name]
 
