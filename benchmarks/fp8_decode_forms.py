@@ -1,16 +1,16 @@
 """FP8 decode at one token in candidate forms side by side, one process, with and without CUDA graphs (without: the
-Mac-like mode, every kernel launched from the host). Each form other than the engine's replaces one function of
+Mac-like mode, every kernel launched from the host). Each form other than the engine's replaces functions of
 `server` in this process only: a measurement, not a setting.
 
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
     PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
 
 Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting):
-  engine        bf16 and FP8 as the engine picks (the weight-only reduction at one token)
-  scaled-mm     FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+  engine          bf16 and FP8 as the engine picks (the weight-only reduction at one token)
+  scaled-mm       FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   two-stage-down  bf16 and FP8 MoE experts with the down projection reduced per slot over I (FP8: the row scale as
-                its epilogue), then the routing-weighted sum over the k slots written as k pointwise terms, which
-                inductor can fuse into the residual add (a sum over k < 8 it unrolls itself, k = 8 it does not)
+                  its epilogue), then the routing-weighted sum over the k slots written as k pointwise terms, which
+                  inductor can fuse into the residual add (it unrolls a sum of fewer than 8 itself, not k = 8)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
