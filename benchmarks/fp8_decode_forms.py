@@ -36,32 +36,33 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
-def slot_down_then_unrolled_combine(down_slots, act, weights, row_scale=None):
-    """down_slots [T*k, H, I] (gathered), act [T*k, I], weights [T, k], row_scale [T*k, H] or None -> [T, H]
-    float32: y_slots = down_slots @ act per slot (times the row scale), then sum_j weights[:, j] * y_slots[:, j]."""
-    num_tokens, top_k = weights.shape
+def slot_down(down_slots, act, row_scale=None):
+    """down_slots [T*k, H, I] (gathered), act [T*k, I], row_scale [T*k, H] (FP8) or None -> [T*k, H] float32: the
+    down projection of each token-expert slot, the row scale as the reduction's epilogue."""
     y_slots = (down_slots.float() * act.float().unsqueeze(1)).sum(-1)  # [T*k, H]
-    y_slots = (y_slots if row_scale is None else y_slots * row_scale).view(num_tokens, top_k, -1)
-    terms = [y_slots[:, j] * weights[:, j, None].float() for j in range(top_k)]  # [T, H] each
-    return sum(terms[1:], terms[0])
+    return y_slots if row_scale is None else y_slots * row_scale
 
 
-def two_stage_bf16(x, weights, expert_ids, gate_up, down):
+def two_stage(x, weights, expert_ids, gate_up, down, gate_up_scale=None, down_scale=None):
+    """The experts (FP8 when given the row scales) with the down reduced per slot, then the routing-weighted sum
+    over the k slots as k pointwise terms -> [T, H]."""
+    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1))  # [T*k, I]
-    return slot_down_then_unrolled_combine(down[flat_ids], act, weights).to(x.dtype)
+    act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, top_k).unsqueeze(1), gate_up_scale)  # [T*k, I]
+    row_scale = None if down_scale is None else down_scale[flat_ids]
+    y_slots = slot_down(down[flat_ids], act, row_scale).view(num_tokens, top_k, -1)
+    terms = [y_slots[:, j] * weights[:, j, None].float() for j in range(top_k)]  # [T, H] each
+    return sum(terms[1:], terms[0]).to(x.dtype)
 
 
 def two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
-    flat_ids = expert_ids.reshape(-1)  # [T*k]
-    act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1), gate_up_scale)
-    return slot_down_then_unrolled_combine(down_q[flat_ids], act, weights, down_scale[flat_ids]).to(x.dtype)
+    return two_stage(x, weights, expert_ids, gate_up_q, down_q, gate_up_scale, down_scale)
 
 
 FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the engine's form replaces nothing
     "engine": ("none,fp8", []),
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
-    "two-stage-down": ("none,fp8", [(moe, "_experts_gather_reduce", two_stage_bf16),
+    "two-stage-down": ("none,fp8", [(moe, "_experts_gather_reduce", two_stage),
                                     (moe_fp8, "_experts_gather_reduce_fp8", two_stage_fp8)]),
 }
 

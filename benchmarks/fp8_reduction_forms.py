@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.fp8_decode_forms import two_stage_bf16, two_stage_fp8
+from benchmarks.fp8_decode_forms import slot_down, two_stage, two_stage_fp8
 from benchmarks.kernels import time_graph
 from server.bench.measure import copy_bandwidth_gb_s
 from server.kernels import moe, moe_fp8
@@ -35,7 +35,7 @@ def down_two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q,
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, top_k).unsqueeze(1), gate_up_scale)  # [T*k, I]
-    y_slots = (down_q[flat_ids].float() * act.unsqueeze(1)).sum(-1) * down_scale[flat_ids]  # [T*k, H]
+    y_slots = slot_down(down_q[flat_ids], act, down_scale[flat_ids])  # [T*k, H]
     return (y_slots.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
@@ -114,7 +114,7 @@ def expert_forms() -> dict:
         "fp8 down transposed": (True, down_outer_fp8, True, down_transposed),
         "fp8 both transposed": (True, outer_fp8, True, transposed),
         "bf16 +add&norm": (False, then_add_and_norm(moe._experts_gather_reduce), True, same),
-        "bf16 per-slot down +add&norm": (False, then_add_and_norm(two_stage_bf16), True, same),
+        "bf16 per-slot down +add&norm": (False, then_add_and_norm(two_stage), True, same),
         "fp8 +add&norm": (True, then_add_and_norm(moe_fp8._experts_gather_reduce_fp8), True, same),
         "fp8 per-slot down +add&norm": (True, then_add_and_norm(two_stage_fp8), True, same),
     }

@@ -443,7 +443,7 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
     assert scaled_run == [module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
     assert two_stage_argv[-2:] == ["--quantize", "none,fp8"]
     assert two_stage_run == [engine_choice, str(tmp_path / "form-two-stage-down")]
-    assert seen_experts == [engine_experts, engine_experts, (module.two_stage_bf16, module.two_stage_fp8)]
+    assert seen_experts == [engine_experts, engine_experts, (module.two_stage, module.two_stage_fp8)]
     assert fp8.use_weight_only is engine_choice
     assert (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8) == engine_experts
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
@@ -467,6 +467,6 @@ def test_fp8_decode_forms_two_stage_down_matches_the_reference_experts(fp8):
         got = module.two_stage_fp8(x, weights, expert_ids, *quantized)
         want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
     else:
-        got = module.two_stage_bf16(x, weights, expert_ids, gate_up, down)
+        got = module.two_stage(x, weights, expert_ids, gate_up, down)
         want = moe.moe_experts_reference(x, weights, expert_ids, gate_up, down)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

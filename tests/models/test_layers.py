@@ -143,8 +143,8 @@ def test_compiled_decoder_layer_stores_the_moe_block_input_once_for_the_router_a
     else:
         block = SigmoidBiasMoE(hidden, 16, 2, 8, renormalize=True, scaling=1.0, use_bias=True)
         block.expert_bias.normal_()
-    layer = DecoderLayer(("input_layernorm", "mixer", "post_attention_layernorm", "mlp"), _OneTokenReduction(torch.empty(hidden, hidden)),
-                         block, lambda: RMSNorm(hidden))
+    names = ("input_layernorm", "mixer", "post_attention_layernorm", "mlp")
+    layer = DecoderLayer(names, _OneTokenReduction(torch.empty(hidden, hidden)), block, lambda: RMSNorm(hidden))
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.2)
     block.gate = _OneTokenReduction(block.gate.weight)
