@@ -22,21 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.fp8_decode_forms import slot_down, two_stage, two_stage_fp8
 from benchmarks.kernels import time_graph
 from server.bench.measure import copy_bandwidth_gb_s
 from server.kernels import moe, moe_fp8
 from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
-
-
-def down_two_stage_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
-    """The down projection reduced per slot over I with its row scale as the epilogue, then the routing-weighted
-    sum over each token's slots: two reductions, no scale inside the long one."""
-    num_tokens, top_k = expert_ids.shape
-    flat_ids = expert_ids.reshape(-1)  # [T*k]
-    act = moe.slot_swiglu(gate_up_q, flat_ids, moe.token_slots(x, top_k).unsqueeze(1), gate_up_scale)  # [T*k, I]
-    y_slots = slot_down(down_q[flat_ids], act, down_scale[flat_ids])  # [T*k, H]
-    return (y_slots.view(num_tokens, top_k, -1) * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 def down_upcast_bf16(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
@@ -109,14 +98,11 @@ def expert_forms() -> dict:
         "bf16 gate/up only": (False, gate_up_only, False, same),
         "fp8": (True, moe_fp8._experts_gather_reduce_fp8, True, same),
         "fp8 gate/up only": (True, gate_up_only, True, same),
-        "fp8 two-stage down": (True, down_two_stage_fp8, True, same),
         "fp8 via bf16": (True, down_upcast_bf16, False, same),
         "fp8 down transposed": (True, down_outer_fp8, True, down_transposed),
         "fp8 both transposed": (True, outer_fp8, True, transposed),
         "bf16 +add&norm": (False, then_add_and_norm(moe._experts_gather_reduce), True, same),
-        "bf16 per-slot down +add&norm": (False, then_add_and_norm(two_stage), True, same),
         "fp8 +add&norm": (True, then_add_and_norm(moe_fp8._experts_gather_reduce_fp8), True, same),
-        "fp8 per-slot down +add&norm": (True, then_add_and_norm(two_stage_fp8), True, same),
     }
 
 

@@ -16,7 +16,6 @@ from server.kernels.capabilities import fp8_grouped_ok, with_fallback
 from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
 from server.kernels.moe import (
     combine_slots,
-    down_and_combine,
     moe_experts,
     slot_matvecs,
     slot_swiglu,
@@ -83,12 +82,16 @@ def _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, do
 
 def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
     """For torch.compile only (see moe._experts_gather_reduce): FP8 bytes read once, activations never
-    quantized; gate_up's row scales applied after its reduction, down's inside the one down-and-combine
-    reduction."""
+    quantized; each row scale applied after its reduction. The down is reduced per slot (the scale its
+    epilogue, not a load per element), then weighted over the k slots as k pointwise terms that inductor fuses
+    into the consumer (the residual add): one reduction over (slot, i) reads FP8 rows slower."""
+    num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    act = slot_swiglu(gate_up_q, flat_ids, token_slots(x, expert_ids.shape[1]).unsqueeze(1), gate_up_scale)  # [T*k, I]
-    down_slots = down_q[flat_ids].float() * down_scale[flat_ids].unsqueeze(-1)  # [T*k, H, I], scaled per row
-    return down_and_combine(down_slots, act, weights).to(x.dtype)
+    act = slot_swiglu(gate_up_q, flat_ids, token_slots(x, top_k).unsqueeze(1), gate_up_scale)  # [T*k, I]
+    y_slots = (down_q[flat_ids].float() * act.unsqueeze(1)).sum(-1) * down_scale[flat_ids]  # [T*k, H]
+    y_slots = y_slots.view(num_tokens, top_k, -1)
+    terms = [y_slots[:, j] * weights[:, j, None].float() for j in range(top_k)]  # [T, H] each
+    return sum(terms[1:], terms[0]).to(x.dtype)
 
 
 def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):

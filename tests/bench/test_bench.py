@@ -400,9 +400,9 @@ def test_bench_runs_without_the_server_dependencies(tmp_path):
 
 def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
     """benchmarks/fp8_reduction_forms.py on the CPU, small widths: every FP8 weight-only form it times (the engine's
-    experts, its two-stage, bf16-converted and transposed-weight variants, the engine's and the per-slot down
-    followed by the residual add and norm, the lm_head reduction) computes what the dequantized float32 reference
-    does, so its timings compare equal work."""
+    experts, its bf16-converted and transposed-weight variants, the engine's followed by the residual add and norm,
+    the lm_head reduction) computes what the dequantized float32 reference does, so its timings compare equal
+    work."""
     import benchmarks.fp8_reduction_forms as module
 
     argv = ["--device", "cpu", "--layers", "2", "--experts", "8", "--hidden", "64", "--inter", "32", "--top-k", "3",
@@ -411,9 +411,8 @@ def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
     rows = {line.split(" us  ideal ")[0].rsplit(None, 1)[0]: line
             for line in capsys.readouterr().out.splitlines() if " us  ideal " in line}
     checked = [name for name in rows if "fp8" in name and "gate/up" not in name and "scaled_mm" not in name]
-    # experts: fp8, two-stage, down transposed, both transposed, +add&norm, per-slot down +add&norm (each +cdt), via
-    # bf16; lm_head weight-only (+cdt)
-    assert len(checked) == 15, sorted(rows)
+    # experts: fp8, down transposed, both transposed, +add&norm (each +cdt), via bf16; lm_head weight-only (+cdt)
+    assert len(checked) == 11, sorted(rows)
     for name in checked:
         assert float(rows[name].rsplit("max err ", 1)[1]) < 1e-5, rows[name]
 
@@ -434,39 +433,16 @@ def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_re
 
     engine_experts = (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8)
     monkeypatch.setattr(module.cli, "main", bench)
-    forms = "engine,scaled-mm,two-stage-down"
+    forms = "engine,scaled-mm"
     assert module.main(["--preset", "tiny-moe", "--forms", forms, "--", "--num-layers", "2"]) == 0
-    (engine_argv, *engine_run), (scaled_argv, *scaled_run), (two_stage_argv, *two_stage_run) = seen
+    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
     assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
     assert engine_run == [engine_choice, str(tmp_path)]
     assert scaled_argv[-2:] == ["--quantize", "fp8"]
     assert scaled_run == [module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
-    assert two_stage_argv[-2:] == ["--quantize", "none,fp8"]
-    assert two_stage_run == [engine_choice, str(tmp_path / "form-two-stage-down")]
-    assert seen_experts == [engine_experts, engine_experts, (module.two_stage, module.two_stage_fp8)]
+    assert seen_experts == [engine_experts, engine_experts]
     assert fp8.use_weight_only is engine_choice
     assert (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8) == engine_experts
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-def test_fp8_decode_forms_two_stage_down_matches_the_reference_experts(fp8):
-    """The two-stage-down form (down per slot, then the routing-weighted sum as k pointwise terms) computes what
-    the experts' loop-over-experts twin does, at several tokens and a top-k above inductor's unroll threshold."""
-    import benchmarks.fp8_decode_forms as module
-    from server.kernels import moe, moe_fp8
-
-    num_experts, hidden, inter, top_k, num_tokens = 16, 64, 32, 8, 3
-    gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
-    x = torch.randn(num_tokens, hidden)
-    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts), top_k, True)
-    if fp8:
-        quantized = (*moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down))
-        got = module.two_stage_fp8(x, weights, expert_ids, *quantized)
-        want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
-    else:
-        got = module.two_stage(x, weights, expert_ids, gate_up, down)
-        want = moe.moe_experts_reference(x, weights, expert_ids, gate_up, down)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
