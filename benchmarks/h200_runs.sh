@@ -12,10 +12,10 @@
 #   structured constrained vs unconstrained decode, Llama-3.1-8B, batches 1 and 16 (benchmarks/structured_decode.py;
 #              a synthetic tokenizer of Llama-3's vocabulary size)
 #   fp8prefill Llama-3.1-8B, batch 1, bf16 and FP8 side by side, 2,048-token prompts, prefill compiled for both
-#   fp8forms   Llama-3.1-8B (FP8FORMS_PRESET), batch 1, CUDA graphs on then off (FP8FORMS_GRAPHS): bf16, FP8 as the
-#              engine picks (weight-only at one token), FP8 through scaled_mm (forced), in one process
-#              (benchmarks/fp8_decode_forms.py; FP8FORMS_FORMS picks forms, e.g. engine; FP8FORMS_ARGS
-#              adds to the bench's arguments, e.g. "--num-layers 12"; up to FP8FORMS_LIMIT_S, 560 s)
+#   forms      Llama-3.1-8B (FORMS_PRESET), batch 1, CUDA graphs on then off (FORMS_GRAPHS): bf16 and FP8 in decode
+#              forms side by side in one process (benchmarks/decode_forms.py; FORMS_FORMS picks forms, default
+#              engine,scaled-mm; FORMS_QUANTIZE=none only bf16; FORMS_ARGS adds to the bench's arguments, e.g.
+#              "--num-layers 12"; up to FORMS_LIMIT_S, 560 s)
 #   selfcheck  `mps-serve selfcheck` on the GPU, its JSON kept
 #   startup    Llama-3.1-8B (STARTUP_PRESET) started as `serve` starts (compile in the background), cold then warm compile cache,
 #              CUDA graphs on (STARTUP_GRAPHS=off: the Mac-like mode, Python wrapper first, then the C++ wrapper)
@@ -103,9 +103,10 @@ for case in "$@"; do
                  grep '^{' "$out/eagercost-$1-$2-$3.log" >> "$out/eagercost.txt"; done ;;
     stagedcheck) timeout 240 python3 benchmarks/staged_compile_check.py --preset tiny-moe --vocab-size 151936 --timeout-s 200 \
                    --dtype ${STAGEDCHECK_DTYPE:-float32} > "$out/stagedcheck.txt" 2>&1 ;;
-    fp8forms) timeout ${FP8FORMS_LIMIT_S:-560} python3 benchmarks/fp8_decode_forms.py --preset ${FP8FORMS_PRESET:-llama-3.1-8b} \
-                --graphs ${FP8FORMS_GRAPHS:-on,off} --forms ${FP8FORMS_FORMS:-engine,scaled-mm} \
-                --json "$out/fp8forms.jsonl" -- ${FP8FORMS_ARGS:-} > "$out/fp8forms.txt" 2>&1 ;;
+    forms) timeout ${FORMS_LIMIT_S:-560} python3 benchmarks/decode_forms.py --preset ${FORMS_PRESET:-llama-3.1-8b} \
+                --graphs ${FORMS_GRAPHS:-on,off} --forms ${FORMS_FORMS:-engine,scaled-mm} \
+                ${FORMS_QUANTIZE:+--quantize $FORMS_QUANTIZE} --json "$out/forms.jsonl" -- ${FORMS_ARGS:-} \
+                > "$out/forms.txt" 2>&1 ;;
     selfcheck) timeout 150 python3 -m server selfcheck --json "$out/selfcheck.json" > "$out/selfcheck.txt" 2>&1 ;;
     breakdown) timeout ${BREAKDOWN_LIMIT_S:-300} python3 benchmarks/decode_breakdown.py --preset qwen3-30b-a3b --graphs 0 --top 25 ${BREAKDOWN_ARGS:-} \
                  > "$out/breakdown.json" 2>"$out/breakdown.err" ;;

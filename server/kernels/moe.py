@@ -229,8 +229,8 @@ def slot_swiglu(gate_up: torch.Tensor, flat_ids: torch.Tensor, x_slots: torch.Te
 def down_and_combine(down_slots: torch.Tensor, act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum over a token's slots j and over i of weights[j] * down_slots[j, h, i] * act[j, i] -> [T, H] float32:
     the down projection and the routing-weighted combine as ONE reduction over (slot, i), so inductor emits one
-    kernel and no [T*k, H] intermediate. down_slots [T*k, H, I] (gathered, maybe scaled: an expression under
-    compile, never materialized), act [T*k, I], weights [T, k]."""
+    kernel and no [T*k, H] intermediate (FP8 experts reduce per slot instead: moe_fp8). down_slots [T*k, H, I]
+    (gathered: an expression under compile, never materialized), act [T*k, I], weights [T, k]."""
     num_tokens, top_k = weights.shape
     weighted_act = act.float() * weights.reshape(-1, 1).float()  # [T*k, I]
     products = down_slots * weighted_act.unsqueeze(1)  # [T*k, H, I]

@@ -417,32 +417,35 @@ def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
         assert float(rows[name].rsplit("max err ", 1)[1]) < 1e-5, rows[name]
 
 
-def test_fp8_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restores(monkeypatch, tmp_path):
-    """benchmarks/fp8_decode_forms.py: each form's bench runs with its replacement in place and a compile cache
-    of its own (a saved step of another form has the same key), and the engine's function and cache come back."""
-    import benchmarks.fp8_decode_forms as module
-    from server.kernels import fp8, moe, moe_fp8
+def test_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restores(monkeypatch, tmp_path):
+    """benchmarks/decode_forms.py: each form's bench runs with its replacement in place and a compile cache of its
+    own (a saved step of another form has the same key), and the engine's functions and cache come back;
+    --quantize overrides every form's modes."""
+    import benchmarks.decode_forms as module
+    from server.kernels import fp8
+    from server.models import layers
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_choice, seen, seen_experts = fp8.use_weight_only, [], []
+    engine_choice, engine_store, seen = fp8.use_weight_only, layers.stored, []
 
     def bench(argv):
-        seen.append((argv, fp8.use_weight_only, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
-        seen_experts.append((moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8))
+        seen.append((argv[-2:], fp8.use_weight_only, layers.stored, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        assert "--num-layers" in argv
         return 0
 
-    engine_experts = (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8)
     monkeypatch.setattr(module.cli, "main", bench)
-    forms = "engine,scaled-mm"
+    forms = "engine,scaled-mm,ffn-input-inlined"
     assert module.main(["--preset", "tiny-moe", "--forms", forms, "--", "--num-layers", "2"]) == 0
-    (engine_argv, *engine_run), (scaled_argv, *scaled_run) = seen
-    assert engine_argv[-2:] == ["--quantize", "none,fp8"] and "--num-layers" in engine_argv
-    assert engine_run == [engine_choice, str(tmp_path)]
-    assert scaled_argv[-2:] == ["--quantize", "fp8"]
-    assert scaled_run == [module.scaled_mm_at_one_token, str(tmp_path / "form-scaled-mm")]
-    assert seen_experts == [engine_experts, engine_experts]
-    assert fp8.use_weight_only is engine_choice
-    assert (moe._experts_gather_reduce, moe_fp8._experts_gather_reduce_fp8) == engine_experts
+    assert seen == [
+        (["--quantize", "none,fp8"], engine_choice, engine_store, str(tmp_path)),
+        (["--quantize", "fp8"], module.scaled_mm_at_one_token, engine_store, str(tmp_path / "form-scaled-mm")),
+        (["--quantize", "none,fp8"], engine_choice, module.inlined, str(tmp_path / "form-ffn-input-inlined")),
+    ]
+    assert (fp8.use_weight_only, layers.stored) == (engine_choice, engine_store)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    seen.clear()
+    argv = ["--forms", "engine,ffn-input-inlined", "--quantize", "none", "--", "--num-layers", "2"]
+    assert module.main(argv) == 0
+    assert [quantize for quantize, *_ in seen] == [["--quantize", "none"]] * 2
     with pytest.raises(SystemExit):
         module.main(["--forms", "engine,fastest"])

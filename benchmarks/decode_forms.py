@@ -1,13 +1,18 @@
-"""FP8 decode at one token in candidate forms side by side, one process, with and without CUDA graphs (without: the
+"""Decode at one token in candidate forms side by side, one process, with and without CUDA graphs (without: the
 Mac-like mode, every kernel launched from the host). Each form other than the engine's replaces functions of
 `server` in this process only: a measurement, not a setting.
 
-    PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/fp8forms.jsonl
-    PYTHONPATH=. python3 benchmarks/fp8_decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
+    PYTHONPATH=. python3 benchmarks/decode_forms.py --preset llama-3.1-8b --graphs on,off --json out/forms.jsonl
+    PYTHONPATH=. python3 benchmarks/decode_forms.py --preset qwen3-30b-a3b --graphs off -- --num-layers 12
+    PYTHONPATH=. python3 benchmarks/decode_forms.py --preset qwen3.6-35b-a3b --graphs on --quantize none \
+        --forms engine,ffn-input-inlined
 
-Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting):
-  engine          bf16 and FP8 as the engine picks (the weight-only reduction at one token)
-  scaled-mm       FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting, bf16 and FP8
+unless the form names one or `--quantize` does):
+  engine             bf16 and FP8 as the engine picks (the weight-only reduction at one token)
+  scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
+  ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
+(benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
 """
@@ -25,6 +30,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where 
 from server import cli
 from server.kernels import fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
+from server.models import layers
 
 
 def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
@@ -33,9 +39,15 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
+def inlined(x):
+    """In place of gemv.stored: the value as an expression its readers inline."""
+    return x
+
+
 FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the engine's form replaces nothing
     "engine": ("none,fp8", []),
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
+    "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
 }
 
 
@@ -47,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", default="off", help="on, off or on,off: as the bench's --graphs")
     parser.add_argument("--forms", default="engine,scaled-mm", help=f"comma-separated, of {', '.join(FORMS)}")
     parser.add_argument("--json", default=None, help="append every run's JSON lines here")
+    parser.add_argument("--quantize", default=None, help="none, fp8 or none,fp8 for every form (default: the form's)")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     forms = args.forms.split(",")
     unknown = [form for form in forms if form not in FORMS]
@@ -56,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     common += ["--json", args.json] if args.json else []
     status, engine_cache = 0, cache_dir()
     for form in forms:
-        print(f"== FP8 form: {form}", flush=True)
+        print(f"== form: {form}", flush=True)
         quantize, replacements = FORMS[form]
+        quantize = args.quantize or quantize
         if not replacements:
             status |= cli.main([*common, "--quantize", quantize])
             continue
