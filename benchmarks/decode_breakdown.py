@@ -6,6 +6,8 @@
 
 --num-layers N keeps the first N layers (full widths: per-layer figures for a fraction of the compile);
 --list-step prints the kernels of the last profiled step in launch order, one line each (what one layer runs).
+--prefill profiles `--steps` prefills of `--prompt-len` tokens instead (one fresh prompt each, to its first token):
+the same table for a prefill, e.g. FP8 against bf16 at short prompts.
 
 Runs the compiled engine (CUDA graphs by default), profiles `--steps` steady decode steps with torch.profiler (the
 prefill and the first decode step run before the profile; `--max-num-seqs 1 --eager-prefill` compile only the
@@ -70,6 +72,8 @@ def main() -> None:
                         help="the engine's largest batch: 1 compiles only the one-sequence step (a listing's quick form)")
     parser.add_argument("--eager-prefill", action="store_true",
                         help="skip prefill's compile (never profiled: the profile holds decode steps only)")
+    parser.add_argument("--prefill", action="store_true", help="profile prefills of --prompt-len tokens instead")
+    parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -81,7 +85,7 @@ def main() -> None:
                           max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
                           cuda_graphs=args.graphs == "1", compile_prefill=False if args.eager_prefill else None)
     engine = Engine.from_model(model, config, device)
-    prompts = [list(range(1, 129))] * args.batch
+    prompts = [list(range(1, args.prompt_len + 1))] * args.batch
     # Every stage built before the profile (the no-graph step's C++ form too), then the profiled call once: a
     # compile or a kernel's autotuning inside the profile would count its benchmark launches as the step's.
     engine.warm_up()
@@ -89,8 +93,11 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.steps + 2, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    prof, wall = profile_decode_steps(engine, prompts, params, activities, device)
-    steps = args.steps  # decode steps in the profile
+    if args.prefill:
+        prof, wall = profile_prefills(engine, args.prompt_len, args.steps, activities, device)
+    else:
+        prof, wall = profile_decode_steps(engine, prompts, params, activities, device)
+    steps = args.steps  # decode steps or prefills in the profile
     if args.list_step:
         print_last_step(prof, steps=steps)
     per_category: dict[str, float] = defaultdict(float)
@@ -109,6 +116,7 @@ def main() -> None:
     top_rows = [{"kernel": name[:110], "category": classify(name), "per_step": round(n / steps, 2),
                  "us_each": round(1e3 * ms / n, 2), "ms_per_step": round(ms / steps, 4)} for name, (n, ms) in top]
     print(json.dumps({"preset": args.preset, "quantize": args.quantize, "graphs": args.graphs, "batch": args.batch,
+                      "profiled": f"prefill of {args.prompt_len} tokens" if args.prefill else "decode step",
                       "top_kernels": top_rows,
                       "ms_per_step": round(1e3 * wall / steps, 3), "kernel_ms_per_step": round(kernel_ms / steps, 3),
                       "gaps_ms_per_step": round((1e3 * wall - kernel_ms) / steps, 3),
@@ -129,6 +137,21 @@ def profile_decode_steps(engine: Engine, prompts, params: SamplingParams, activi
         start = time.perf_counter()
         while engine.has_unfinished:
             engine.step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    return prof, wall
+
+
+def profile_prefills(engine: Engine, prompt_len: int, num_prompts: int, activities, device: torch.device):
+    """Prefill `num_prompts` prompts of `prompt_len` tokens one at a time, each to its first token, inside the
+    profile; each prompt's tokens start one id later than the last's, so no cached prefix is reused -> (the
+    profile, its wall time in s)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(num_prompts):
+            engine.generate([list(range(2 + i, 2 + i + prompt_len))], params)
         synchronize(device)
         wall = time.perf_counter() - start
     return prof, wall
