@@ -76,6 +76,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (no GPU kernels to count)")
     args = parser.parse_args()
+    if args.prefill and args.eager_prefill:
+        parser.error("--prefill profiles the compiled prefill: drop --eager-prefill")
     device = torch.device(args.device)
     hf_config = load_preset(args.preset).hf_config
     if args.num_layers is not None:
