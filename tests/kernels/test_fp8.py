@@ -177,18 +177,23 @@ def test_fp8_experts_match_twin_and_bf16(num_tokens):
     assert _rel_err(out, bf16) < FP8_MOE_BOUND
 
 
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
 def test_fp8_gather_reduce_matches_the_twin_above_the_unroll_threshold():
-    """The one-token FP8 experts (down per slot, then the weighted sum over slots as k pointwise terms) compute
-    the loop-over-experts twin's numbers in float32, at several tokens and a top-k of 8 (inductor unrolls only
-    shorter sums)."""
+    """The one-token FP8 experts (down per slot, then the weighted sum over slots as k pointwise terms), eager and
+    compiled, compute the loop-over-experts twin's numbers in float32, at several tokens and a top-k of 8 (inductor
+    unrolls only shorter sums itself)."""
     num_experts, hidden, inter, top_k, num_tokens = 16, 64, 32, 8, 3
     quantized = (*moe_fp8.quantize_experts(torch.randn(num_experts, 2 * inter, hidden)),
                  *moe_fp8.quantize_experts(torch.randn(num_experts, hidden, inter)))
     x = torch.randn(num_tokens, hidden)
     weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts), top_k, True)
-    got = moe_fp8._experts_gather_reduce_fp8(x, weights, expert_ids, *quantized)  # tiny: eager is fine
     want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe_fp8._experts_gather_reduce_fp8, fullgraph=True, dynamic=False)
+    for experts in (moe_fp8._experts_gather_reduce_fp8, compiled):  # eager at these widths: a few KB gathered
+        torch.testing.assert_close(experts(x, weights, expert_ids, *quantized), want, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(
