@@ -120,7 +120,7 @@ class _OneTokenReduction(torch.nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        self.weight = weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight)
+        self.weight = torch.nn.Parameter(weight)  # a router's own weight is shared, not copied
 
     def forward(self, x: torch.Tensor, *ignored) -> torch.Tensor:
         return (x.unsqueeze(-2) * self.weight).sum(-1)
