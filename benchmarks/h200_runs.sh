@@ -42,6 +42,9 @@
 #              each also with inductor's coordinate descent tuning (FP8REDUCE_ONLY=experts, FP8REDUCE_SHAPES= skips the
 #              Llama shapes; FP8REDUCE_MATCH="add&norm" only the expert forms so named; the first part up to
 #              FP8REDUCE_LIMIT_S, 280 s)
+#   moeops     one Qwen3-30B-A3B MoE layer op by op at MOEOPS_TOKENS (128,2048) tokens: bf16 grouped_mm beside FP8
+#              scaled_grouped_mm stage by stage, eager, graph replays and compiled (inductor's Triton grouped template
+#              under max-autotune; benchmarks/kernels.py), up to MOEOPS_LIMIT_S (300 s)
 #   layers     the kernels of one decode step, in order, of 4-layer Qwen3-30B-A3B, Llama-3.1-8B and Qwen3.6-35B-A3B (full widths;
 #              LAYERS_PRESETS picks some, LAYERS_ARGS="--quantize fp8" adds to decode_breakdown's arguments, each run up
 #              to LAYERS_LIMIT_S, 150 s; only the one-sequence step is compiled)
@@ -116,6 +119,8 @@ for case in "$@"; do
                for shape in ${FP8REDUCE_SHAPES-4096:128256 4096:28672 14336:4096}; do set -- ${shape//:/ }
                  timeout 90 python3 benchmarks/fp8_reduction_forms.py --only lm_head --hidden $1 --vocab $2 2>&1 \
                    | grep "lm_head\|copy" | sed "s/^lm_head/K=$1 N=$2/" >> "$out/fp8reduce.txt"; done ;;
+    moeops) timeout ${MOEOPS_LIMIT_S:-300} python3 benchmarks/kernels.py --skip gemv,sampling --tokens ${MOEOPS_TOKENS:-128,2048} \
+              --json "$out/moeops.json" > "$out/moeops.txt" 2>&1 ;;
     layers) for p in ${LAYERS_PRESETS:-qwen3-30b-a3b llama-3.1-8b qwen3.6-35b-a3b}; do
               timeout ${LAYERS_LIMIT_S:-150} python3 benchmarks/decode_breakdown.py --preset $p --num-layers 4 --graphs 0 \
                 --steps 8 --list-step --max-num-seqs 1 --eager-prefill ${LAYERS_ARGS:-} > "$out/layers-$p.txt" 2>&1; echo "$p: exit $?"; done

@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/kernels.py [--json results.json] [--quick] [--no-compile]
 
 Prints: the capability table; copy bandwidth (the roofline, measured in the same run); bf16 GEMV and FP8 linear
-GB/s at LLM shapes; one Qwen3-30B-A3B MoE layer at 1 and 64 tokens, stage by stage, against a Python loop over
-experts with host syncs; softmax + sampling over one [1, 128256] row; a sync check under
+GB/s at LLM shapes; one Qwen3-30B-A3B MoE layer at 1, 4 and 64 tokens (--tokens), stage by stage in bf16 and FP8
+(and the grouped GEMMs compiled under max-autotune, where inductor's Triton template competes), against a Python
+loop over experts with host syncs; softmax + sampling over one [1, 128256] row; a sync check under
 torch.cuda.set_sync_debug_mode("error"). Two timings per row: "graph" = many calls captured in one CUDA graph
 and replayed (kernel time), "eager" = the same Python loop (includes CPU dispatch). Weights rotate over more
 than the L2 so every call reads them from HBM.
@@ -213,8 +214,9 @@ def moe_layer_grouped(x, layer):
     return moe._experts_grouped(x, weights, expert_ids, layer["gate_up"], layer["down"])
 
 
-def moe_stage_inputs(layers, xs) -> list[dict]:
-    """Every intermediate of the fast path per rotation slot, so each stage can be timed alone."""
+def moe_stage_inputs(layers, layers_fp8, xs) -> list[dict]:
+    """Every intermediate of the fast paths (bf16, and FP8 under "fp8") per rotation slot, so each stage can be
+    timed alone."""
     stages = []
     for j, x in enumerate(xs):
         layer = layers[j % NUM_LAYERS]
@@ -224,8 +226,16 @@ def moe_stage_inputs(layers, xs) -> list[dict]:
         hidden = compat.grouped_mm(x_sorted, layer["gate_up"].transpose(-2, -1), offs)
         act = moe.swiglu(hidden)
         y_sorted = compat.grouped_mm(act, layer["down"].transpose(-2, -1), offs)
+        gate_up_q, gate_up_scale, down_q, down_scale = layers_fp8[j % NUM_LAYERS]["args"]
+        x_fp8, x_scale = quantize_activation(x)  # [T, H], [T, 1]
+        x_fp8_sorted = x_fp8.view(torch.uint8).index_select(0, order // TOP_K).view(x_fp8.dtype)
+        x_scale_sorted = x_scale.view(-1).index_select(0, order // TOP_K)
+        act_fp8, act_scale = quantize_activation(act)
         stages.append(
             dict(
+                fp8=dict(x_sorted=x_fp8_sorted, x_sorted_scale=x_scale_sorted, act=act_fp8, act_scale=act_scale.view(-1),
+                         gate_up=gate_up_q.transpose(-2, -1), gate_up_scale=gate_up_scale,
+                         down=down_q.transpose(-2, -1), down_scale=down_scale, offs=offs),
                 layer=layer,
                 x=x,
                 weights=weights,
@@ -258,6 +268,10 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
         "stage: grouped_mm down": at(
             lambda s: compat.grouped_mm(s["act"], s["layer"]["down"].transpose(-2, -1), s["offs"])
         ),
+        "stage: fp8 quantize tokens (rowwise)": at(lambda s: quantize_activation(s["x"])),
+        "stage: fp8 scaled_grouped_mm gate_up": at(lambda s: scaled_grouped(s["fp8"], "x_sorted", "gate_up")),
+        "stage: fp8 swiglu + quantize": at(lambda s: quantize_activation(moe.swiglu(s["hidden"]))),
+        "stage: fp8 scaled_grouped_mm down": at(lambda s: scaled_grouped(s["fp8"], "act", "down")),
         "stage: weighted unpermute (index_copy + bmm)": at(
             lambda s: moe.combine_slots(s["y_sorted"], s["order"], s["weights"])
         ),
@@ -282,7 +296,20 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
             ("route + grouped_mm path forced", moe_layer_grouped, layers),
         ):
             variants[f"layer: torch.compile({label})"] = compiled_layer(fn, xs, weights)
+        # Inductor's Triton grouped-GEMM template competes with the library kernel only under max-autotune.
+        autotuned = {"bf16 grouped_mm": torch.compile(compat.grouped_mm, mode="max-autotune-no-cudagraphs"),
+                     "fp8 scaled_grouped_mm": torch.compile(scaled_grouped, mode="max-autotune-no-cudagraphs")}
+        variants["stage: bf16 grouped_mm gate_up, max-autotune"] = at(
+            lambda s: autotuned["bf16 grouped_mm"](s["x_sorted"], s["layer"]["gate_up"].transpose(-2, -1), s["offs"]))
+        variants["stage: fp8 scaled_grouped_mm gate_up, max-autotune"] = at(
+            lambda s: autotuned["fp8 scaled_grouped_mm"](s["fp8"], "x_sorted", "gate_up", s["offs"]))
     return variants
+
+
+def scaled_grouped(fp8: dict, rows: str, weight: str, offs: torch.Tensor | None = None) -> torch.Tensor:
+    """One FP8 expert projection of the sorted slots, row-wise scaled, as moe_fp8 runs it -> [T*k, N] bf16."""
+    return compat.scaled_grouped_mm_rowwise(fp8[rows], fp8[weight], fp8[f"{rows}_scale"], fp8[f"{weight}_scale"],
+                                            fp8["offs"] if offs is None else offs, torch.bfloat16)
 
 
 def compiled_layer(fn, xs, layers) -> Callable[[int], object]:
@@ -292,7 +319,7 @@ def compiled_layer(fn, xs, layers) -> Callable[[int], object]:
 
 def bench_moe(num_tokens: int, layers, layers_fp8, copy_gbps: float, use_compile: bool, rows: list[dict]) -> None:
     xs = [torch.randn(num_tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16) for _ in range(NUM_INPUTS)]
-    stages = moe_stage_inputs(layers, xs)
+    stages = moe_stage_inputs(layers, layers_fp8, xs)
     distinct = sum(torch.unique(s["expert_ids"]).numel() for s in stages) / NUM_INPUTS
     expert_bytes = 3 * INTER * HIDDEN * 2
     ref = moe.moe_experts_reference(
