@@ -260,6 +260,7 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
             lambda s: moe.route_softmax(F.linear(s["x"], s["layer"]["router"]), TOP_K, True)
         ),
         "stage: sort + searchsorted int32 offsets": at(lambda s: moe.sort_by_expert(s["expert_ids"], NUM_EXPERTS)),
+        "stage: sort + searchsorted, int16 keys": at(lambda s: sort_by_expert_int16(s["expert_ids"], NUM_EXPERTS)),
         "stage: gather tokens (index_select)": at(lambda s: s["x"].index_select(0, s["order"] // TOP_K)),
         "stage: grouped_mm gate_up": at(
             lambda s: compat.grouped_mm(s["x_sorted"], s["layer"]["gate_up"].transpose(-2, -1), s["offs"])
@@ -304,6 +305,13 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
         variants["stage: fp8 scaled_grouped_mm gate_up, max-autotune"] = at(
             lambda s: autotuned["fp8 scaled_grouped_mm"](s["fp8"], "x_sorted", "gate_up", s["offs"]))
     return variants
+
+
+def sort_by_expert_int16(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe.sort_by_expert on 16-bit keys: a radix sort's passes grow with the key's width (int64: 64 bits)."""
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1).to(torch.int16))
+    experts = torch.arange(num_experts, device=expert_ids.device, dtype=torch.int16)
+    return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
 def scaled_grouped(fp8: dict, rows: str, weight: str, offs: torch.Tensor | None = None) -> torch.Tensor:
