@@ -228,7 +228,7 @@ def moe_stage_inputs(layers, layers_fp8, xs) -> list[dict]:
         y_sorted = compat.grouped_mm(act, layer["down"].transpose(-2, -1), offs)
         gate_up_q, gate_up_scale, down_q, down_scale = layers_fp8[j % NUM_LAYERS]["args"]
         x_fp8, x_scale = quantize_activation(x)  # [T, H], [T, 1]
-        x_fp8_sorted = x_fp8.view(torch.uint8).index_select(0, order // TOP_K).view(x_fp8.dtype)
+        x_fp8_sorted = moe_fp8._gather_fp8(x_fp8, order // TOP_K)
         x_scale_sorted = x_scale.view(-1).index_select(0, order // TOP_K)
         act_fp8, act_scale = quantize_activation(act)
         stages.append(
@@ -303,7 +303,7 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
         variants["stage: bf16 grouped_mm gate_up, max-autotune"] = at(
             lambda s: autotuned["bf16 grouped_mm"](s["x_sorted"], s["layer"]["gate_up"].transpose(-2, -1), s["offs"]))
         variants["stage: fp8 scaled_grouped_mm gate_up, max-autotune"] = at(
-            lambda s: autotuned["fp8 scaled_grouped_mm"](s["fp8"], "x_sorted", "gate_up", s["offs"]))
+            lambda s: autotuned["fp8 scaled_grouped_mm"](s["fp8"], "x_sorted", "gate_up"))
     return variants
 
 
@@ -314,10 +314,10 @@ def sort_by_expert_int16(expert_ids: torch.Tensor, num_experts: int) -> tuple[to
     return order, torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
 
 
-def scaled_grouped(fp8: dict, rows: str, weight: str, offs: torch.Tensor | None = None) -> torch.Tensor:
+def scaled_grouped(fp8: dict, rows: str, weight: str) -> torch.Tensor:
     """One FP8 expert projection of the sorted slots, row-wise scaled, as moe_fp8 runs it -> [T*k, N] bf16."""
     return compat.scaled_grouped_mm_rowwise(fp8[rows], fp8[weight], fp8[f"{rows}_scale"], fp8[f"{weight}_scale"],
-                                            fp8["offs"] if offs is None else offs, torch.bfloat16)
+                                            fp8["offs"], torch.bfloat16)
 
 
 def compiled_layer(fn, xs, layers) -> Callable[[int], object]:
