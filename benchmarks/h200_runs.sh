@@ -36,7 +36,7 @@
 #              BREAKDOWN_ARGS="--quantize fp8 --num-layers 12" adds to its arguments; BREAKDOWN_LIMIT_S, 300 s:
 #              FP8 at 12 layers, tuned, did not finish in 300 s compiling every batch bucket; "--max-num-seqs 1
 #              --eager-prefill" compiles only the one-sequence step; "--prefill --steps 8" profiles 8 prefills of
-#              128-token prompts instead)
+#              128-token prompts instead: FP8 at 8 layers did not finish its compile in 150 s, bf16 did)
 #   fp8reduce  FP8 weight-only reductions at one token op by op beside bf16 and scaled_mm (Qwen3-30B-A3B's experts and
 #              lm_head, then Llama-3.1-8B's lm_head, gate_up and down shapes; benchmarks/fp8_reduction_forms.py),
 #              each also with inductor's coordinate descent tuning (FP8REDUCE_ONLY=experts, FP8REDUCE_SHAPES= skips the
