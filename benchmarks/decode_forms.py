@@ -12,6 +12,7 @@ unless the form names one or `--quantize` does):
   engine             bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
+  winners-softmax-kernel  the MoE routing's softmax over the k winners as torch.softmax (a reduction kernel)
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
@@ -28,7 +29,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8
+from server.kernels import fp8, moe
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 from server.models import layers
 
@@ -37,6 +38,11 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
     # scaled_mm at one token wherever the device has it; weight-only only where it has not
     return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
+
+
+def softmax_kernel(top_logits):
+    """In place of moe.winners_softmax: torch.softmax, a reduction over the k winners in a kernel of its own."""
+    return torch.softmax(top_logits, dim=-1)
 
 
 def inlined(x):
@@ -48,6 +54,7 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "engine": ("none,fp8", []),
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
+    "winners-softmax-kernel": ("none,fp8", [(moe, "winners_softmax", softmax_kernel)]),
 }
 
 

@@ -5,10 +5,10 @@ the measurement.
 
     PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gated-attention-qk
     PYTHONPATH=. python3 benchmarks/ir_buffers.py --case gdn-qk
-    PYTHONPATH=. python3 benchmarks/ir_buffers.py --case moe-experts|fp8-down
+    PYTHONPATH=. python3 benchmarks/ir_buffers.py --case moe-experts|moe-experts-fp8|fp8-down
 
-CUDA's lowering of a small concatenation (masked loads) is forced, and the read limit set to CUDA's, so that the
-stored buffers are the ones CUDA would store. Prints each buffer (its IR node and size) and the largest difference
+CUDA's lowering of a small concatenation (masked loads) is forced, and the realize heuristics are CUDA's (the
+accumulated-read limit, no CPU rule for reused exp), so that the stored buffers are the ones CUDA would store. Prints each buffer (its IR node and size) and the largest difference
 from eager."""
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")  # a cache hit 
 import torch  # noqa: E402
 import torch._inductor.config as inductor_config  # noqa: E402
 from torch._inductor import graph as inductor_graph  # noqa: E402
+from torch._inductor import ir as inductor_ir  # noqa: E402
 
 inductor_config.force_pointwise_cat = True
 inductor_config.realize_acc_reads_threshold = 8
+inductor_ir.is_cpu = lambda node: False  # ir.py asks it only for its realize heuristics: take a GPU's
 
 
 def gated_attention_qk():
@@ -54,18 +56,22 @@ def gdn_qk():
     return prep, (torch.randn(2, 256),)
 
 
-def moe_experts_one_token():
-    """The gather-reduce experts of a MoE layer at one token (the compiled step's path on CUDA and the CPU)."""
-    from server.kernels import moe
+def moe_experts_one_token(fp8: bool = False):
+    """Routing (torch.topk, as layers compiled inline route) and the gather-reduce experts of a MoE layer at one
+    token (the compiled step's path on CUDA and the CPU), then the residual add."""
+    from server.kernels import moe, moe_fp8
 
     num_experts, hidden, inter, top_k = 16, 64, 32, 4
     gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
+    quantized = [*moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down)]
 
-    def experts(x, logits):
-        weights, expert_ids = moe.route_softmax(logits, top_k, True)
-        return (moe._experts_gather_reduce(x, weights, expert_ids, gate_up, down),)
+    def experts(x, logits, residual):
+        weights, expert_ids = moe.route_softmax(logits, top_k, True, fuse=False)
+        if fp8:
+            return (residual + moe_fp8._experts_gather_reduce_fp8(x, weights, expert_ids, *quantized),)
+        return (residual + moe._experts_gather_reduce(x, weights, expert_ids, gate_up, down),)
 
-    return experts, (torch.randn(1, hidden), torch.randn(1, num_experts))
+    return experts, (torch.randn(1, hidden), torch.randn(1, num_experts), torch.randn(1, hidden))
 
 
 def fp8_down_one_token():
@@ -83,6 +89,7 @@ def fp8_down_one_token():
 
 
 CASES = {"gated-attention-qk": gated_attention_qk, "gdn-qk": gdn_qk, "moe-experts": moe_experts_one_token,
+         "moe-experts-fp8": lambda: moe_experts_one_token(fp8=True),
          "fp8-down": fp8_down_one_token}
 
 
@@ -96,7 +103,7 @@ def main() -> None:
         stored = [b for b in graph.buffers if type(b).__name__ == "ComputedBuffer"]
         print(f"{len(stored)} stored buffers, {sum(type(b.data).__name__ == 'Reduction' for b in stored)} reductions")
         for buffer in stored:
-            print(f"  {buffer.get_name()}: {type(buffer.data).__name__} {list(buffer.get_size())}")
+            print(f"  {buffer.get_name()}: {type(buffer.data).__name__} {list(buffer.get_size())} {sorted(str(o) for o in buffer.origins)[:12]}")
         return codegen(graph, *rest, **kwargs)
 
     inductor_graph.GraphLowering.codegen = report_then_codegen

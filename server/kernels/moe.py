@@ -24,11 +24,14 @@ inductor fuses into one kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from server.kernels import compat
 from server.kernels.capabilities import grouped_mm_ok, with_fallback
+from server.kernels.gemv import stored
 
 
 def route_softmax(
@@ -50,11 +53,25 @@ def route_softmax(
         expert_ids = torch.cat(expert_ids, dim=-1)
     elif renormalize:
         top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
-        weights = torch.softmax(top_logits.float(), dim=-1)
+        weights = winners_softmax(top_logits.float())
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
     return weights.to(router_logits.dtype), expert_ids
+
+
+def winners_softmax(top_logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row's k winning logits [T, k] -> [T, k]. Compiled, the row's max and sum are pointwise
+    over its k columns, stored as [T, 1] values that a kernel of the token's shape computes (the FP8 experts' last
+    one: the weighted sum of the slots, the residual and the next norm), where softmax's reduction over the k
+    columns is a kernel of its own per layer. The weights stay an expression that their readers inline."""
+    if not torch.compiler.is_compiling() or top_logits.shape[-1] > MAX_FUSED_TOP_K:
+        return torch.softmax(top_logits, dim=-1)
+    columns = top_logits.split(1, dim=-1)  # k of [T, 1]
+    row_max = stored(functools.reduce(torch.maximum, columns))
+    exps = [torch.exp(column - row_max) for column in columns]
+    row_sum = stored(sum(exps[1:], exps[0]))
+    return torch.exp(top_logits - row_max) / row_sum
 
 
 def route_sigmoid_bias(
