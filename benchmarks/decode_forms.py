@@ -13,6 +13,7 @@ unless the form names one or `--quantize` does):
   scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
   winners-softmax-kernel  the MoE routing's softmax over the k winners as torch.softmax (a reduction kernel)
+  bf16-down-per-slot the bf16 experts' down reduced per slot, the k slots weighted at the end (FP8's form)
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
@@ -45,6 +46,17 @@ def softmax_kernel(top_logits):
     return torch.softmax(top_logits, dim=-1)
 
 
+def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
+    """In place of moe._experts_gather_reduce: the down reduced per slot and the k slots weighted at the end, as
+    FP8 experts do (the routing weights then meet the token-shaped last kernel, with the winners' max and sum)."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, top_k).unsqueeze(1))  # [T*k, I]
+    y_slots = (down[flat_ids].float() * act.unsqueeze(1)).sum(-1).view(num_tokens, top_k, -1)  # [T, k, H]
+    terms = [y_slots[:, j] * weights[:, j, None].float() for j in range(top_k)]
+    return sum(terms[1:], terms[0]).to(x.dtype)
+
+
 def inlined(x):
     """In place of gemv.stored: the value as an expression its readers inline."""
     return x
@@ -55,6 +67,7 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
     "winners-softmax-kernel": ("none,fp8", [(moe, "winners_softmax", softmax_kernel)]),
+    "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
 }
 
 
