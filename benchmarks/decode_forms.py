@@ -14,6 +14,7 @@ unless the form names one or `--quantize` does):
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
   winners-softmax-kernel  the MoE routing's softmax over the k winners as torch.softmax (a reduction kernel)
   bf16-down-per-slot the bf16 experts' down reduced per slot, the k slots weighted at the end (FP8's form)
+  bf16-weights-in-swiglu  the bf16 routing weights applied to the SwiGLU output, not inside the down reduction
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
 carry kernels/step.
@@ -30,7 +31,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8, moe
+from server.kernels import fp8, gemv, moe
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 from server.models import layers
 
@@ -57,6 +58,16 @@ def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
     return sum(terms[1:], terms[0]).to(x.dtype)
 
 
+def gather_reduce_weights_in_swiglu(x, weights, expert_ids, gate_up, down):
+    """In place of moe._experts_gather_reduce: the routing weights applied to the SwiGLU output (the gate/up
+    kernel's epilogue, an exp per slot and column) instead of inside the down reduction (an exp per element read)."""
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1))  # [T*k, I]
+    ones = torch.ones_like(weights)
+    weighted_act = gemv.stored(act * weights.reshape(-1, 1).float())  # [T*k, I]
+    return moe.down_and_combine(down[flat_ids].float(), weighted_act, ones).to(x.dtype)
+
+
 def inlined(x):
     """In place of gemv.stored: the value as an expression its readers inline."""
     return x
@@ -68,6 +79,7 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
     "winners-softmax-kernel": ("none,fp8", [(moe, "winners_softmax", softmax_kernel)]),
     "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
+    "bf16-weights-in-swiglu": ("none", [(moe, "_experts_gather_reduce", gather_reduce_weights_in_swiglu)]),
 }
 
 
