@@ -43,15 +43,7 @@ def route_softmax(
     renormalized over them, and costs no softmax over all E nor a separate sum of the winners. `fuse`: see
     fuses_top_k."""
     # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
-    if renormalize and fuses_top_k(top_k, fuse):
-        rounds, expert_ids = _top_k_rounds(router_logits, top_k)
-        # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
-        # reduction over the k columns is left, which would be a kernel of its own.
-        total = sum(torch.exp(value.float() - rounds[0].float()) for value in rounds)  # [T, 1]
-        top_logits = torch.cat(rounds, dim=-1).float()  # [T, k]
-        weights = torch.exp(top_logits - top_logits[:, :1]) / total
-        expert_ids = torch.cat(expert_ids, dim=-1)
-    elif renormalize:
+    if renormalize:
         top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
         weights = winners_softmax(top_logits.float())
     else:
