@@ -12,7 +12,8 @@ unless the form names one or `--quantize` does):
   engine             bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
-  winners-softmax-kernel  the MoE routing's softmax over the k winners as torch.softmax (a reduction kernel)
+  winners-softmax-pointwise  the MoE routing's softmax over the k winners pointwise (its max and sum stored as
+                     [T, 1] values), not torch.softmax's reduction kernel (checked on the CPU: ir_buffers.py)
   bf16-down-per-slot the bf16 experts' down reduced per slot, the k slots weighted at the end (FP8's form)
   bf16-weights-in-swiglu  the bf16 routing weights applied to the SwiGLU output, not inside the down reduction
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
@@ -23,6 +24,7 @@ carry kernels/step.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -42,9 +44,22 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
 
 
-def softmax_kernel(top_logits):
-    """In place of moe.winners_softmax: torch.softmax, a reduction over the k winners in a kernel of its own."""
-    return torch.softmax(top_logits, dim=-1)
+def route_softmax_pointwise(router_logits, top_k: int, renormalize: bool, fuse: bool = True):
+    """In place of moe.route_softmax (torch.topk, as layers compiled inline route): the softmax over the k winners
+    with its row max and sum pointwise over the k columns, stored as [T, 1] values, so that a kernel of the token's
+    shape (the FP8 experts' last one) computes them, where torch.softmax is a reduction kernel of its own."""
+    if not renormalize:
+        return ROUTE_SOFTMAX(router_logits, top_k, renormalize, fuse)
+    top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1, sorted=False)
+    columns = top_logits.float().split(1, dim=-1)  # k of [T, 1]
+    row_max = gemv.stored(functools.reduce(torch.maximum, columns))
+    exps = [torch.exp(column - row_max) for column in columns]
+    row_sum = gemv.stored(sum(exps[1:], exps[0]))
+    weights = torch.exp(top_logits.float() - row_max) / row_sum
+    return weights.to(router_logits.dtype), expert_ids
+
+
+ROUTE_SOFTMAX = moe.route_softmax
 
 
 def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
@@ -77,7 +92,7 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "engine": ("none,fp8", []),
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
-    "winners-softmax-kernel": ("none,fp8", [(moe, "winners_softmax", softmax_kernel)]),
+    "winners-softmax-pointwise": ("none,fp8", [(moe, "route_softmax", route_softmax_pointwise)]),
     "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
     "bf16-weights-in-swiglu": ("none", [(moe, "_experts_gather_reduce", gather_reduce_weights_in_swiglu)]),
 }

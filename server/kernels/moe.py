@@ -24,14 +24,11 @@ inductor fuses into one kernel.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from server.kernels import compat
 from server.kernels.capabilities import grouped_mm_ok, with_fallback
-from server.kernels.gemv import stored
 
 
 def route_softmax(
@@ -43,27 +40,21 @@ def route_softmax(
     renormalized over them, and costs no softmax over all E nor a separate sum of the winners. `fuse`: see
     fuses_top_k."""
     # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
-    if renormalize:
+    if renormalize and fuses_top_k(top_k, fuse):
+        rounds, expert_ids = _top_k_rounds(router_logits, top_k)
+        # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
+        # reduction over the k columns is left, which would be a kernel of its own.
+        total = sum(torch.exp(value.float() - rounds[0].float()) for value in rounds)  # [T, 1]
+        top_logits = torch.cat(rounds, dim=-1).float()  # [T, k]
+        weights = torch.exp(top_logits - top_logits[:, :1]) / total
+        expert_ids = torch.cat(expert_ids, dim=-1)
+    elif renormalize:
         top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
-        weights = winners_softmax(top_logits.float())
+        weights = torch.softmax(top_logits.float(), dim=-1)
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
     return weights.to(router_logits.dtype), expert_ids
-
-
-def winners_softmax(top_logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over each row's k winning logits [T, k] -> [T, k]. Compiled, the row's max and sum are pointwise
-    over its k columns, stored as [T, 1] values that a kernel of the token's shape computes (the FP8 experts' last
-    one: the weighted sum of the slots, the residual and the next norm), where softmax's reduction over the k
-    columns is a kernel of its own per layer. The weights stay an expression that their readers inline."""
-    if not torch.compiler.is_compiling() or top_logits.shape[-1] > MAX_FUSED_TOP_K:
-        return torch.softmax(top_logits, dim=-1)
-    columns = top_logits.split(1, dim=-1)  # k of [T, 1]
-    row_max = stored(functools.reduce(torch.maximum, columns))
-    exps = [torch.exp(column - row_max) for column in columns]
-    row_sum = stored(sum(exps[1:], exps[0]))
-    return torch.exp(top_logits - row_max) / row_sum
 
 
 def route_sigmoid_bias(
