@@ -14,6 +14,7 @@ unless the form names one or `--quantize` does):
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
   winners-softmax-pointwise  the MoE routing's softmax over the k winners pointwise (its max and sum stored as
                      [T, 1] values), not torch.softmax's reduction kernel (checked on the CPU: ir_buffers.py)
+  swiglu-stored      the MoE experts' SwiGLU output stored before the down reads it (no SiLU per weight element)
   bf16-down-per-slot the bf16 experts' down reduced per slot, the k slots weighted at the end (FP8's form)
   bf16-weights-in-swiglu  the bf16 routing weights applied to the SwiGLU output, not inside the down reduction
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
@@ -33,7 +34,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8, gemv, moe
+from server.kernels import fp8, gemv, moe, moe_fp8
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 from server.models import layers
 
@@ -60,6 +61,15 @@ def route_softmax_pointwise(router_logits, top_k: int, renormalize: bool, fuse: 
 
 
 ROUTE_SOFTMAX = moe.route_softmax
+
+
+def swiglu_stored(*args, **kwargs):
+    """In place of moe.slot_swiglu: its output stored (the gate/up kernel's epilogue writes it), where the down
+    reduction inlines it and recomputes the SiLU for every weight element it reads (k * H * I per token)."""
+    return gemv.stored(SLOT_SWIGLU(*args, **kwargs))
+
+
+SLOT_SWIGLU = moe.slot_swiglu
 
 
 def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
@@ -93,6 +103,7 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
     "winners-softmax-pointwise": ("none,fp8", [(moe, "route_softmax", route_softmax_pointwise)]),
+    "swiglu-stored": ("none,fp8", [(moe, "slot_swiglu", swiglu_stored), (moe_fp8, "slot_swiglu", swiglu_stored)]),
     "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
     "bf16-weights-in-swiglu": ("none", [(moe, "_experts_gather_reduce", gather_reduce_weights_in_swiglu)]),
 }
