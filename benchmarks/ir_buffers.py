@@ -8,8 +8,8 @@ the measurement.
     PYTHONPATH=. python3 benchmarks/ir_buffers.py --case moe-experts|moe-experts-fp8|fp8-down
 
 CUDA's lowering of a small concatenation (masked loads) is forced, and the realize heuristics are CUDA's (the
-accumulated-read limit, no CPU rule for reused exp), so that the stored buffers are the ones CUDA would store. Prints each buffer (its IR node and size) and the largest difference
-from eager."""
+accumulated-read limit, no CPU rule for reused exp), so that the stored buffers are the ones CUDA would store.
+Prints each buffer (its IR node, size and the first FX ops it fuses) and the largest difference from eager."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def main() -> None:
         stored = [b for b in graph.buffers if type(b).__name__ == "ComputedBuffer"]
         print(f"{len(stored)} stored buffers, {sum(type(b.data).__name__ == 'Reduction' for b in stored)} reductions")
         for buffer in stored:
-            print(f"  {buffer.get_name()}: {type(buffer.data).__name__} {list(buffer.get_size())} {sorted(str(o) for o in buffer.origins)[:12]}")
+            ops = sorted(str(origin) for origin in buffer.origins)[:12]
+            print(f"  {buffer.get_name()}: {type(buffer.data).__name__} {list(buffer.get_size())} {ops}")
         return codegen(graph, *rest, **kwargs)
 
     inductor_graph.GraphLowering.codegen = report_then_codegen
