@@ -51,12 +51,13 @@ def route_softmax_pointwise(router_logits, top_k: int, renormalize: bool, fuse: 
     shape (the FP8 experts' last one) computes them, where torch.softmax is a reduction kernel of its own."""
     if not renormalize:
         return ROUTE_SOFTMAX(router_logits, top_k, renormalize, fuse)
-    top_logits, expert_ids = torch.topk(router_logits, top_k, dim=-1, sorted=False)
-    columns = top_logits.float().split(1, dim=-1)  # k of [T, 1]
+    top_logits, expert_ids = moe.top_k_unsorted(router_logits, top_k, fuse=False)
+    top_logits = top_logits.float()
+    columns = top_logits.split(1, dim=-1)  # k of [T, 1]
     row_max = gemv.stored(functools.reduce(torch.maximum, columns))
     exps = [torch.exp(column - row_max) for column in columns]
     row_sum = gemv.stored(sum(exps[1:], exps[0]))
-    weights = torch.exp(top_logits.float() - row_max) / row_sum
+    weights = torch.exp(top_logits - row_max) / row_sum
     return weights.to(router_logits.dtype), expert_ids
 
 
@@ -88,7 +89,7 @@ def gather_reduce_weights_in_swiglu(x, weights, expert_ids, gate_up, down):
     kernel's epilogue, an exp per slot and column) instead of inside the down reduction (an exp per element read)."""
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     act = moe.slot_swiglu(gate_up, flat_ids, moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1))  # [T*k, I]
-    ones = torch.ones_like(weights)
+    ones = torch.ones_like(weights)  # down_and_combine weights the slots again: here they are weighted already
     weighted_act = gemv.stored(act * weights.reshape(-1, 1).float())  # [T*k, I]
     return moe.down_and_combine(down[flat_ids].float(), weighted_act, ones).to(x.dtype)
 
