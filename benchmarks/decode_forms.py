@@ -116,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama-3.1-8b")
     parser.add_argument("--graphs", default="off", help="on, off or on,off: as the bench's --graphs")
-    parser.add_argument("--forms", default="engine,scaled-mm", help=f"comma-separated, of {', '.join(FORMS)}")
+    parser.add_argument("--forms", default="engine,scaled-mm",
+                        help=f"comma-separated, of {', '.join(FORMS)}; a+b runs forms a and b together")
     parser.add_argument("--json", default=None, help="append every run's JSON lines here")
     parser.add_argument("--quantize", default=None, help="none, fp8 or none,fp8 for every form (default: the form's)")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     forms = args.forms.split(",")
-    unknown = [form for form in forms if form not in FORMS]
+    unknown = [name for form in forms for name in form.split("+") if name not in FORMS]
     if unknown:
         parser.error(f"unknown form(s) {', '.join(unknown)}: choose from {', '.join(FORMS)}")
     common = ["bench", "--preset", args.preset, "--batch-sizes", "1", "--graphs", args.graphs, *bench_extra]
@@ -129,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     status, engine_cache = 0, cache_dir()
     for form in forms:
         print(f"== form: {form}", flush=True)
-        quantize, replacements = FORMS[form]
-        quantize = args.quantize or quantize
+        quantize = args.quantize or FORMS[form.split("+")[0]][0]
+        replacements = [replacement for name in form.split("+") for replacement in FORMS[name][1]]
         if not replacements:
             status |= cli.main([*common, "--quantize", quantize])
             continue

@@ -447,8 +447,13 @@ def test_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restor
     argv = ["--forms", "engine,ffn-input-inlined", "--quantize", "none", "--", "--num-layers", "2"]
     assert module.main(argv) == 0
     assert [quantize for quantize, *_ in seen] == [["--quantize", "none"]] * 2
-    with pytest.raises(SystemExit):
-        module.main(["--forms", "engine,fastest"])
+    seen.clear()
+    assert module.main(["--forms", "scaled-mm+ffn-input-inlined", "--", "--num-layers", "2"]) == 0
+    assert seen == [(["--quantize", "fp8"], module.scaled_mm_at_one_token, module.inlined,
+                     str(tmp_path / "form-scaled-mm+ffn-input-inlined"))]
+    for forms in ("engine,fastest", "scaled-mm+fastest"):
+        with pytest.raises(SystemExit):
+            module.main(["--forms", forms])
 
 
 def test_decode_forms_moe_forms_compute_the_engine_function(monkeypatch):
