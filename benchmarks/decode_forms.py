@@ -7,8 +7,8 @@ Mac-like mode, every kernel launched from the host). Each form other than the en
     PYTHONPATH=. python3 benchmarks/decode_forms.py --preset qwen3.6-35b-a3b --graphs on --quantize none \
         --forms engine,ffn-input-inlined
 
-Forms (`--forms`, in order; each runs `mps-serve bench --batch-sizes 1` at every `--graphs` setting, bf16 and FP8
-unless the form names one or `--quantize` does):
+Forms (`--forms`, in order, a form may repeat; `a+b` patches a and b in together; each runs `mps-serve bench
+--batch-sizes 1` at every `--graphs` setting, bf16 and FP8 unless the (first) form names one or `--quantize` does):
   engine             bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
