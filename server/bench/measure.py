@@ -15,6 +15,8 @@ Formulas (also printed under the table):
   as its own record, so graphs on and off count alike. Elsewhere ("aten_ops"), as a stand-in: ATen ops called
   from outside any other ATen op that do device work (views, allocations and no-op conversions left out);
   inductor's own generated kernels are no ATen ops and go uncounted there.
+- kernel ms per step (CUDA only): the summed durations of those kernel records, the step's device time; the rest
+  of the step's time is the host's (launches, Python) or idle. It ranks forms where host speed is noisy.
 """
 
 from __future__ import annotations
@@ -131,7 +133,13 @@ def kernels_counted_by(device: torch.device) -> str:
     return "cuda_kernels" if device.type == "cuda" else "aten_ops"
 
 
-def count_kernels(fn: Callable[[], object], device: torch.device) -> int:
+@dataclass(frozen=True)
+class KernelProfile:
+    num_kernels: int
+    kernel_us: float | None  # the kernels' summed durations (device time); None where the count is of ATen ops
+
+
+def count_kernels(fn: Callable[[], object], device: torch.device) -> KernelProfile:
     """Kernels the device runs for fn(), by torch.profiler, with the device drained before and after so that
     exactly fn's work is seen (see the module docstring; the method is `kernels_counted_by(device)`)."""
     synchronize(device)
@@ -142,7 +150,7 @@ def count_kernels(fn: Callable[[], object], device: torch.device) -> int:
     with torch.profiler.profile(activities=activities) as prof:
         fn()
         synchronize(device)
-    return _count_cuda_kernels(prof) if cuda else count_aten_ops(prof.events())
+    return _cuda_kernels(prof) if cuda else KernelProfile(count_aten_ops(prof.events()), None)
 
 
 def _detach_cupti_after_profiling() -> None:
@@ -154,10 +162,11 @@ def _detach_cupti_after_profiling() -> None:
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 
-def _count_cuda_kernels(prof) -> int:
+def _cuda_kernels(prof) -> KernelProfile:
     """Kernel records of the trace (its categories are the stable way to tell kernels from copies and runtime
-    calls across torch versions). Each kernel a cudaGraphLaunch runs carries that launch's correlation id:
-    a launch without one would mean the graph's kernels went untraced, so it raises rather than under-count."""
+    calls across torch versions) and their summed durations. Each kernel a cudaGraphLaunch runs carries that
+    launch's correlation id: a launch without one would mean the graph's kernels went untraced, so it raises
+    rather than under-count."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
@@ -169,7 +178,7 @@ def _count_cuda_kernels(prof) -> int:
     untraced = graph_launches - {e.get("args", {}).get("correlation") for e in kernels}
     if untraced:
         raise RuntimeError(f"the profiler traced no kernels of {len(untraced)} CUDA graph replays")
-    return len(kernels)
+    return KernelProfile(len(kernels), float(sum(e.get("dur", 0.0) for e in kernels)))
 
 
 # Ops that do no device work yet are not views by their schemas.
@@ -272,7 +281,7 @@ class Series:
     rates: dict[int, Rates] = field(default_factory=dict)
     tokens: dict[int, list[int]] = field(default_factory=dict)
     modes: dict[int, str] = field(default_factory=dict)
-    kernels: dict[int, int | None] = field(default_factory=dict)  # device kernels of one steady decode step
+    kernels: dict[int, KernelProfile | None] = field(default_factory=dict)  # one steady decode step's kernels
     notes: list[str] = field(default_factory=list)
 
 

@@ -15,7 +15,8 @@ FORMULAS = (
     "read once per step; at batch B, MoE layers read 1-(1-k/E)^B of their experts); roofline = GB/s / copy GB/s "
     "of a device-to-device copy measured in this run (KV-cache reads not counted). kernels/step: device kernels "
     "of one steady decode step by torch.profiler, outside the timed calls: CUDA kernel records (graph replays "
-    "included) on CUDA, else ATen ops that do device work (a compiled step's generated kernels are none). "
+    "included) on CUDA, else ATen ops that do device work (a compiled step's generated kernels are none); "
+    "kernel ms: their summed durations (CUDA; the rest of ms/tok is host time or idle). "
     "graphs: whether decode steps replayed CUDA graphs (n/a: not off, but none here: they need the compiled "
     "decode step on CUDA). launch: who launches the decode step's kernels (a CUDA graph replay, inductor's C++ "
     "or Python wrapper code, or the eager model op by op)."
@@ -92,8 +93,8 @@ def table(records: list[dict[str, Any]]) -> str:
            f"token at batch 1; model + engine built in {first['build_s']:.1f} s; ")
         + f"kernels/step counted as {first['kernels_counted_by']}"
     )
-    header = ["graphs", "launch", "B", "decode tok/s", "ms/tok", "kernels/step", "prefill tok/s", "GB/s",
-              "roofline", "warm-up s"]
+    header = ["graphs", "launch", "B", "decode tok/s", "ms/tok", "kernels/step", "kernel ms", "prefill tok/s",
+              "GB/s", "roofline", "warm-up s"]
     if several:
         header = ["quantize", "weights/step", *header]
     comparing = any("peer_decode_tok_s" in r for r in records)
@@ -102,7 +103,8 @@ def table(records: list[dict[str, Any]]) -> str:
     rows = []
     for r in records:
         row = [graph_mode(r), r.get("kernel_launch", "-"), str(r["batch_size"]), _fmt(r["decode_tok_s"], ".1f"),
-               _fmt(r["ms_per_token"], ".2f"), _fmt(r["kernels_per_step"], "d"), _fmt(r["prefill_tok_s"], ".0f"),
+               _fmt(r["ms_per_token"], ".2f"), _fmt(r["kernels_per_step"], "d"),
+               _fmt(r.get("kernel_ms_per_step"), ".3f"), _fmt(r["prefill_tok_s"], ".0f"),
                _fmt(r["achieved_gb_s"], ".1f"),
                _fmt(r["roofline_fraction"] * 100, ".1f") + "%", _fmt(r["compile_s"], ".1f")]
         if several:

@@ -123,7 +123,9 @@ def build_record(common: dict, batch_size: int, ours: measure.Series, peer: meas
                  copy_gb_s: float) -> dict:
     record = {**common, "batch_size": batch_size, **report.roofline_fields(batch_size, weights, copy_gb_s)}
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
-    record["kernels_per_step"] = ours.kernels.get(batch_size)
+    kernels = ours.kernels.get(batch_size)
+    record["kernels_per_step"] = kernels.num_kernels if kernels else None
+    record["kernel_ms_per_step"] = kernels.kernel_us / 1e3 if kernels and kernels.kernel_us is not None else None
     rates = ours.rates[batch_size]  # start-up as a server pays it: build, then the first call's compile and capture
     record["startup_s"] = {"build": common["build_s"], "first_call": rates.t_first, "compile": rates.warmup_s,
                            "compile_cache": common["compile_cache"]}
@@ -179,19 +181,21 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
     return series, weights, info
 
 
-def _try_count_kernels(engine, batch: list[list[int]], device, side: str, progress) -> int | None:
+def _try_count_kernels(engine, batch: list[list[int]], device, side: str,
+                       progress) -> measure.KernelProfile | None:
     """None, with a warning, where profiling fails: the measured speeds are kept."""
     try:
-        num_kernels = decode_step_kernels(engine, batch, device)
+        profile = decode_step_kernels(engine, batch, device)
     except Exception as exc:
         progress.write(f"{side} B={len(batch)}: kernels per step not counted: {type(exc).__name__}: {measure.first_line(exc)}")
         return None
     method = measure.kernels_counted_by(device)
-    progress.write(f"{side} B={len(batch)}: {num_kernels} kernels per decode step ({method})")
-    return num_kernels
+    took = "" if profile.kernel_us is None else f", {profile.kernel_us / 1e3:.3f} ms of kernel time"
+    progress.write(f"{side} B={len(batch)}: {profile.num_kernels} kernels per decode step ({method}){took}")
+    return profile
 
 
-def decode_step_kernels(engine, batch: list[list[int]], device) -> int:
+def decode_step_kernels(engine, batch: list[list[int]], device) -> measure.KernelProfile:
     """Kernels of one steady decode step (measure.count_kernels), counted after the timed calls so that the
     profiler does not touch their times. The batch runs until every sequence has two tokens launched past its
     prompt: the profiled step then launches a plain decode step (a shape the timed calls compiled and captured)

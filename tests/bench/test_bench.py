@@ -10,6 +10,7 @@ import gc
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from server.engine.weights import read_config
 REQUIRED = ["preset", "device", "dtype", "quantize", "batch_size", "prompt_len", "decode_tok_s", "prefill_tok_s",
             "ms_per_token", "weight_bytes_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction", "compile_s",
             "torch_version", "gpu_name", "peer_decode_tok_s", "speedup_vs_peer", "kernels_per_step",
-            "kernels_counted_by", "cuda_graphs", "kernel_launch"]
+            "kernels_counted_by", "kernel_ms_per_step", "cuda_graphs", "kernel_launch"]
 POSITIVE = ["decode_tok_s", "prefill_tok_s", "ms_per_token", "achieved_gb_s", "copy_gb_s", "roofline_fraction",
             "peer_decode_tok_s", "peer_prefill_tok_s", "speedup_vs_peer", "weight_bytes_per_token", "kernels_per_step"]
 
@@ -89,6 +90,7 @@ def test_bench_measures_both_graph_modes_side_by_side(tmp_path, capsys):
     for r in records:
         assert r["kernels_counted_by"] == "aten_ops"
         assert isinstance(r["kernels_per_step"], int) and r["kernels_per_step"] > 20  # 3 layers' ops, at least
+        assert r["kernel_ms_per_step"] is None  # ATen ops on the CPU: no device time summed
         assert r["decode_tok_s"] > 0
     on, off = records[:2], records[2:]
     assert [r["kernels_per_step"] for r in on] == [r["kernels_per_step"] for r in off]  # the same eager engine
@@ -96,8 +98,8 @@ def test_bench_measures_both_graph_modes_side_by_side(tmp_path, capsys):
     assert "kernels/step" in table and "kernels/step counted as aten_ops" in table
     rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["n/a"], ["off"])]
     modes = ["n/a", "n/a", "off", "off"]  # graphs asked for but none on the CPU, then turned off
-    assert [(row[0], row[1], row[2], row[5]) for row in rows] == [
-        (mode, "eager", str(r["batch_size"]), str(r["kernels_per_step"]))
+    assert [(row[0], row[1], row[2], row[5], row[6]) for row in rows] == [
+        (mode, "eager", str(r["batch_size"]), str(r["kernels_per_step"]), "-")
         for mode, r in zip(modes, records, strict=True)]
     assert all(r["kernel_launch"] == "eager" for r in records)  # the CPU compiles nothing by default
 
@@ -127,7 +129,7 @@ def _tiny_engine(num_layers: int) -> Engine:
 
 def _generate_kernels(engine: Engine, prompts: list[list[int]], num_new: int) -> int:
     params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
-    return measure.count_kernels(lambda: engine.generate(prompts, params), torch.device("cpu"))
+    return measure.count_kernels(lambda: engine.generate(prompts, params), torch.device("cpu")).num_kernels
 
 
 def test_kernels_per_step_count_one_decode_step_and_grow_by_layer():
@@ -137,7 +139,9 @@ def test_kernels_per_step_count_one_decode_step_and_grow_by_layer():
     counts = {}
     for num_layers in (3, 4, 5):  # layer 0 dense, the others MoE
         engine = _tiny_engine(num_layers)
-        counts[num_layers] = run.decode_step_kernels(engine, prompts, cpu)
+        profile = run.decode_step_kernels(engine, prompts, cpu)
+        assert profile.kernel_us is None  # ATen ops on the CPU: no device time to sum
+        counts[num_layers] = profile.num_kernels
         whole_run = {n: _generate_kernels(engine, prompts, n) for n in (6, 9)}
         assert whole_run[9] - whole_run[6] == 3 * counts[num_layers]
         assert not engine.has_unfinished
@@ -153,7 +157,7 @@ def test_aten_ops_leave_out_views_allocations_and_no_op_conversions():
         x.view(-1), x.t(), x.reshape(4, 16), x[1:3], x.to(torch.float32), torch.empty(3), x.contiguous()  # 0
         x.t().contiguous(), x.to(torch.float16), torch.zeros(2), x.sum()  # 4
 
-    assert measure.count_kernels(ops, torch.device("cpu")) == 6
+    assert measure.count_kernels(ops, torch.device("cpu")).num_kernels == 6
 
 
 class _Trace:
@@ -167,13 +171,18 @@ class _Trace:
 
 def test_cuda_kernels_count_graph_replays_and_refuse_untraced_ones():
     launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 7}}
-    kernels = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "args": {"correlation": 7}} for i in range(3)]
-    others = [{"ph": "X", "cat": "kernel", "name": "eager", "args": {"correlation": 9}},
-              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "args": {"correlation": 8}},
+    durations = [random.uniform(0.5, 20.0) for _ in range(4)]
+    kernels = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "dur": durations[i], "args": {"correlation": 7}}
+               for i in range(3)]
+    others = [{"ph": "X", "cat": "kernel", "name": "eager", "dur": durations[3], "args": {"correlation": 9}},
+              {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "dur": 100.0, "args": {"correlation": 8}},
+              {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "dur": 50.0, "args": {"correlation": 9}},
               {"ph": "f", "cat": "ac2g", "name": "flow", "args": {"correlation": 7}}]
-    assert measure._count_cuda_kernels(_Trace([launch, *kernels, *others])) == 4
+    profile = measure._cuda_kernels(_Trace([launch, *kernels, *others]))
+    assert profile.num_kernels == 4
+    assert profile.kernel_us == pytest.approx(sum(durations))  # kernels only: no copy, no runtime call
     with pytest.raises(RuntimeError, match="no kernels of 1 CUDA graph replays"):
-        measure._count_cuda_kernels(_Trace([launch, *others]))
+        measure._cuda_kernels(_Trace([launch, *others]))
 
 
 @pytest.mark.parametrize("which", ["tiny-moe", "qwen3_5_moe_text"])
