@@ -139,7 +139,7 @@ class KernelProfile:
     kernel_us: float | None  # the kernels' summed durations (device time); None where the count is of ATen ops
 
 
-def count_kernels(fn: Callable[[], object], device: torch.device) -> KernelProfile:
+def profile_kernels(fn: Callable[[], object], device: torch.device) -> KernelProfile:
     """Kernels the device runs for fn(), by torch.profiler, with the device drained before and after so that
     exactly fn's work is seen (see the module docstring; the method is `kernels_counted_by(device)`)."""
     synchronize(device)

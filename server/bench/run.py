@@ -176,12 +176,12 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
     for batch in prompts.values():
         measure.measure_series(series, side, generate, device, batch, lengths, opts.reps, progress)
     for batch in prompts.values():  # after all of this engine's timed calls: no profiler runs before one
-        series.kernels[len(batch)] = _try_count_kernels(engine, batch, device, side, progress)
+        series.kernels[len(batch)] = _try_profile_kernels(engine, batch, device, side, progress)
     info["kernel_launch"] = engine.runner.kernel_launch  # after the calls: a failed C++ build has fallen back by now
     return series, weights, info
 
 
-def _try_count_kernels(engine, batch: list[list[int]], device, side: str,
+def _try_profile_kernels(engine, batch: list[list[int]], device, side: str,
                        progress) -> measure.KernelProfile | None:
     """None, with a warning, where profiling fails: the measured speeds are kept."""
     try:
@@ -196,7 +196,7 @@ def _try_count_kernels(engine, batch: list[list[int]], device, side: str,
 
 
 def decode_step_kernels(engine, batch: list[list[int]], device) -> measure.KernelProfile:
-    """Kernels of one steady decode step (measure.count_kernels), counted after the timed calls so that the
+    """Kernels of one steady decode step (measure.profile_kernels), counted after the timed calls so that the
     profiler does not touch their times. The batch runs until every sequence has two tokens launched past its
     prompt: the profiled step then launches a plain decode step (a shape the timed calls compiled and captured)
     while it finishes the one before, as every step of a steady decode does."""
@@ -209,7 +209,7 @@ def decode_step_kernels(engine, batch: list[list[int]], device) -> measure.Kerne
     try:
         while any(r.num_output_tokens < 2 for r in requests):
             engine.step()
-        return measure.count_kernels(engine.step, device)
+        return measure.profile_kernels(engine.step, device)
     finally:
         while engine.has_unfinished:  # leave the engine idle for the next generate()
             engine.step()

@@ -129,7 +129,7 @@ def _tiny_engine(num_layers: int) -> Engine:
 
 def _generate_kernels(engine: Engine, prompts: list[list[int]], num_new: int) -> int:
     params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
-    return measure.count_kernels(lambda: engine.generate(prompts, params), torch.device("cpu")).num_kernels
+    return measure.profile_kernels(lambda: engine.generate(prompts, params), torch.device("cpu")).num_kernels
 
 
 def test_kernels_per_step_count_one_decode_step_and_grow_by_layer():
@@ -157,7 +157,7 @@ def test_aten_ops_leave_out_views_allocations_and_no_op_conversions():
         x.view(-1), x.t(), x.reshape(4, 16), x[1:3], x.to(torch.float32), torch.empty(3), x.contiguous()  # 0
         x.t().contiguous(), x.to(torch.float16), torch.zeros(2), x.sum()  # 4
 
-    assert measure.count_kernels(ops, torch.device("cpu")).num_kernels == 6
+    assert measure.profile_kernels(ops, torch.device("cpu")).num_kernels == 6
 
 
 class _Trace:
