@@ -19,7 +19,7 @@ Forms (`--forms`, in order, a form may repeat; `a+b` patches a and b in together
   bf16-weights-in-swiglu  the bf16 routing weights applied to the SwiGLU output, not inside the down reduction
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
 Arguments after `--` go to the bench (`--num-layers 12`, `--prompt-len 2048`). Every run's table and JSON lines
-carry kernels/step.
+carry kernels/step and, on CUDA, the step's kernel time (kernel ms: device time, which host noise does not move).
 """
 
 from __future__ import annotations

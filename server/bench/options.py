@@ -23,7 +23,8 @@ tok/s = B * (n_long - n_short) / (t_long - t_short) with n_long = decode_tokens 
 time is reported as compile_s. Weights are read once per decode step, so achieved GB/s = bytes per step / step
 time, and roofline_fraction = achieved GB/s / the device copy GB/s measured in the same run.
 kernels/step: device kernels of one steady decode step, counted by torch.profiler after the timed calls (CUDA
-kernel records on CUDA, graph replays included; elsewhere ATen ops that do device work, as a stand-in).
+kernel records on CUDA, graph replays included; elsewhere ATen ops that do device work, as a stand-in);
+kernel ms: their summed durations on CUDA, the step's device time (the rest of ms/tok is host time or idle).
 --graphs on,off measures our engine with and without CUDA graphs side by side (a Mac has none: "off" is the
 Mac-like mode on CUDA); --no-graphs is --graphs off.
 With --compare transformers, ours is measured first and freed, then transformers runs the same weights
