@@ -169,7 +169,7 @@ class _Trace:
             json.dump({"traceEvents": self.events}, handle)
 
 
-def test_cuda_kernels_count_graph_replays_and_refuse_untraced_ones():
+def test_cuda_kernels_count_graph_replays_sum_kernel_time_and_refuse_untraced_ones():
     launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch", "args": {"correlation": 7}}
     durations = [random.uniform(0.5, 20.0) for _ in range(4)]
     kernels = [{"ph": "X", "cat": "kernel", "name": f"k{i}", "dur": durations[i], "args": {"correlation": 7}}
