@@ -121,17 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="append every run's JSON lines here")
     parser.add_argument("--quantize", default=None, help="none, fp8 or none,fp8 for every form (default: the form's)")
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    forms = args.forms.split(",")
-    unknown = [name for form in forms for name in form.split("+") if name not in FORMS]
+    forms = [(form, form.split("+")) for form in args.forms.split(",")]  # (form, the names it patches together)
+    unknown = [name for _, names in forms for name in names if name not in FORMS]
     if unknown:
         parser.error(f"unknown form(s) {', '.join(unknown)}: choose from {', '.join(FORMS)}")
     common = ["bench", "--preset", args.preset, "--batch-sizes", "1", "--graphs", args.graphs, *bench_extra]
     common += ["--json", args.json] if args.json else []
     status, engine_cache = 0, cache_dir()
-    for form in forms:
+    for form, names in forms:
         print(f"== form: {form}", flush=True)
-        quantize = args.quantize or FORMS[form.split("+")[0]][0]
-        replacements = [replacement for name in form.split("+") for replacement in FORMS[name][1]]
+        quantize = args.quantize or FORMS[names[0]][0]
+        replacements = [replacement for name in names for replacement in FORMS[name][1]]
         if not replacements:
             status |= cli.main([*common, "--quantize", quantize])
             continue
