@@ -12,9 +12,6 @@ Forms (`--forms`, in order, a form may repeat; `a+b` patches a and b in together
   engine             bf16 and FP8 as the engine picks (the weight-only reduction at one token)
   scaled-mm          FP8 through row-wise scaled_mm with the activation quantized per call (forced)
   ffn-input-inlined  the decoder layer's FFN input not stored: its readers recompute the post-attention norm
-  winners-softmax-pointwise  the MoE routing's softmax over the k winners pointwise (its max and sum stored as
-                     [T, 1] values), not torch.softmax's reduction kernel (checked on the CPU: ir_buffers.py)
-  swiglu-stored      the MoE experts' SwiGLU output stored before the down reads it (no SiLU per weight element)
   bf16-down-per-slot the bf16 experts' down reduced per slot, the k slots weighted at the end (FP8's form)
   bf16-weights-in-swiglu  the bf16 routing weights applied to the SwiGLU output, not inside the down reduction
 (benchmarks/decode_attention_forms.py compares the decode attention's GQA forms the same way.)
@@ -25,7 +22,6 @@ carry kernels/step and, on CUDA, the step's kernel time (kernel ms: device time,
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -34,7 +30,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8, gemv, moe, moe_fp8
+from server.kernels import fp8, gemv, moe
 from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
 from server.models import layers
 
@@ -43,34 +39,6 @@ def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
     # scaled_mm at one token wherever the device has it; weight-only only where it has not
     return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
             and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
-
-
-def route_softmax_pointwise(router_logits, top_k: int, renormalize: bool, fuse: bool = True):
-    """In place of moe.route_softmax (torch.topk, as layers compiled inline route): the softmax over the k winners
-    with its row max and sum pointwise over the k columns, stored as [T, 1] values, so that a kernel of the token's
-    shape (the FP8 experts' last one) computes them, where torch.softmax is a reduction kernel of its own."""
-    if not renormalize:
-        return ROUTE_SOFTMAX(router_logits, top_k, renormalize, fuse)
-    top_logits, expert_ids = moe.top_k_unsorted(router_logits, top_k, fuse=False)
-    top_logits = top_logits.float()
-    columns = top_logits.split(1, dim=-1)  # k of [T, 1]
-    row_max = gemv.stored(functools.reduce(torch.maximum, columns))
-    exps = [torch.exp(column - row_max) for column in columns]
-    row_sum = gemv.stored(sum(exps[1:], exps[0]))
-    weights = torch.exp(top_logits - row_max) / row_sum
-    return weights.to(router_logits.dtype), expert_ids
-
-
-ROUTE_SOFTMAX = moe.route_softmax
-
-
-def swiglu_stored(*args, **kwargs):
-    """In place of moe.slot_swiglu: its output stored (the gate/up kernel's epilogue writes it), where the down
-    reduction inlines it and recomputes the SiLU for every weight element it reads (k * H * I per token)."""
-    return gemv.stored(SLOT_SWIGLU(*args, **kwargs))
-
-
-SLOT_SWIGLU = moe.slot_swiglu
 
 
 def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
@@ -103,8 +71,6 @@ FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the e
     "engine": ("none,fp8", []),
     "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
-    "winners-softmax-pointwise": ("none,fp8", [(moe, "route_softmax", route_softmax_pointwise)]),
-    "swiglu-stored": ("none,fp8", [(moe, "slot_swiglu", swiglu_stored), (moe_fp8, "slot_swiglu", swiglu_stored)]),
     "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
     "bf16-weights-in-swiglu": ("none", [(moe, "_experts_gather_reduce", gather_reduce_weights_in_swiglu)]),
 }

@@ -24,11 +24,14 @@ inductor fuses into one kernel.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from server.kernels import compat
 from server.kernels.capabilities import grouped_mm_ok, with_fallback
+from server.kernels.gemv import stored
 
 
 def route_softmax(
@@ -40,21 +43,27 @@ def route_softmax(
     renormalized over them, and costs no softmax over all E nor a separate sum of the winners. `fuse`: see
     fuses_top_k."""
     # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
-    if renormalize and fuses_top_k(top_k, fuse):
-        rounds, expert_ids = _top_k_rounds(router_logits, top_k)
-        # The softmax over the winners, its sum from the per-round [T, 1] maxima (the first is the largest): no
-        # reduction over the k columns is left, which would be a kernel of its own.
-        total = sum(torch.exp(value.float() - rounds[0].float()) for value in rounds)  # [T, 1]
-        top_logits = torch.cat(rounds, dim=-1).float()  # [T, k]
-        weights = torch.exp(top_logits - top_logits[:, :1]) / total
-        expert_ids = torch.cat(expert_ids, dim=-1)
-    elif renormalize:
+    if renormalize:
         top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
-        weights = torch.softmax(top_logits.float(), dim=-1)
+        weights = winners_softmax(top_logits.float())
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
     return weights.to(router_logits.dtype), expert_ids
+
+
+def winners_softmax(top_logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over each row's k winning logits [T, k] -> [T, k]. Compiled, the row's max and sum are pointwise
+    over its k columns, stored as [T, 1] values that a kernel of the token's shape computes (the FP8 experts' last
+    one: the weighted sum of the slots, the residual and the next norm), where softmax's reduction over the k
+    columns is a kernel of its own per layer. The weights stay an expression that their readers inline."""
+    if not torch.compiler.is_compiling() or top_logits.shape[-1] > MAX_FUSED_TOP_K:
+        return torch.softmax(top_logits, dim=-1)
+    columns = top_logits.split(1, dim=-1)  # k of [T, 1]
+    row_max = stored(functools.reduce(torch.maximum, columns))
+    exps = [torch.exp(column - row_max) for column in columns]
+    row_sum = stored(sum(exps[1:], exps[0]))
+    return torch.exp(top_logits - row_max) / row_sum
 
 
 def route_sigmoid_bias(
@@ -216,14 +225,15 @@ def slot_swiglu(gate_up: torch.Tensor, flat_ids: torch.Tensor, x_slots: torch.Te
     """silu(gate) * up of each token-expert slot -> [T*k, I] float32, gate and up as two reductions over H of the
     same output shape: inductor runs them as one kernel with the SwiGLU as its epilogue, where one reduction over
     [T*k, 2I] leaves the SwiGLU (which pairs two of its outputs) to a kernel of its own. Each half is gathered
-    for its own reduction: one gathered expression read by both would be stored, a copy of the weights.
+    for its own reduction: one gathered expression read by both would be stored, a copy of the weights. The
+    output is stored: the down reduction would otherwise inline it and evaluate the SiLU per weight element.
     gate_up [E, 2I, H], flat_ids [T*k], x_slots [T*k, 1, H], gate_up_scale [E, 2I] (FP8 row scales) or None."""
     inter = gate_up.shape[1] // 2
     halves = []
     for rows in (slice(0, inter), slice(inter, None)):
         half = (gate_up[:, rows][flat_ids].float() * x_slots.float()).sum(-1)  # [T*k, I]
         halves.append(half if gate_up_scale is None else half * gate_up_scale[:, rows][flat_ids])
-    return F.silu(halves[0]) * halves[1]
+    return stored(F.silu(halves[0]) * halves[1])
 
 
 def down_and_combine(down_slots: torch.Tensor, act: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

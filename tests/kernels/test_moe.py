@@ -186,6 +186,28 @@ def test_compiled_routers_match_eager(use_bias):
         torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("clang++") is None, reason="inductor needs a C++ compiler"
+)
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_compiled_winners_softmax_is_pointwise_and_matches_softmax(top_k):
+    """Routing as inline layers compile it (torch.topk): the softmax over the winners stores no reduction (its
+    row max and sum are pointwise over the k columns), and matches eager, also where the winners lie far apart."""
+    logits = torch.randn(6, 32) * 3
+    logits[0, :top_k] = torch.linspace(-150.0, 150.0, top_k)  # exp of any difference here overflows float32
+
+    def route(t):
+        return moe.route_softmax(t, top_k, True, fuse=False)
+
+    weights, expert_ids = _by_expert(*torch.compile(route, fullgraph=True, dynamic=False)(logits))
+    eager_weights, eager_ids = _by_expert(*route(logits))
+    assert torch.equal(expert_ids, eager_ids)
+    torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
+    stored = _stored_buffers(route, logits[:1])
+    assert [kind for kind, size in stored if size == [1, 1]] == ["Pointwise", "Pointwise"]  # the max, the sum
+    assert all(kind == "Pointwise" for kind, _ in stored)
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
     """A layer compiled inline (fuse=False) keeps torch.topk: the fused rounds are slow to generate per layer."""
@@ -207,8 +229,10 @@ def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
 
 
 def _stored_buffers(fn, *args) -> list[tuple[str, list[int]]]:
-    """(IR node kind, size) of every buffer inductor stores for `fn` compiled at these static shapes."""
+    """(IR node kind, size) of every buffer inductor stores for `fn` compiled at these static shapes, with a GPU's
+    realize heuristics (the CPU's store some reused expressions that a GPU's inline)."""
     from torch._inductor import graph as inductor_graph
+    from torch._inductor import ir as inductor_ir
 
     stored, codegen = [], inductor_graph.GraphLowering.codegen
 
@@ -221,6 +245,7 @@ def _stored_buffers(fn, *args) -> list[tuple[str, list[int]]]:
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True), \
             pytest.MonkeyPatch.context() as patch:
         patch.setattr(inductor_graph.GraphLowering, "codegen", record_then_codegen)
+        patch.setattr(inductor_ir, "is_cpu", lambda node: False)  # ir.py asks it only for realize heuristics
         torch.compile(fn, fullgraph=True, dynamic=False)(*args)
     return stored
 
