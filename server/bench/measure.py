@@ -136,7 +136,7 @@ def kernels_counted_by(device: torch.device) -> str:
 @dataclass(frozen=True)
 class KernelProfile:
     num_kernels: int
-    kernel_us: float | None  # the kernels' summed durations (device time); None where the count is of ATen ops
+    kernel_ms: float | None  # the kernels' summed durations (device time); None where the count is of ATen ops
 
 
 def profile_kernels(fn: Callable[[], object], device: torch.device) -> KernelProfile:
@@ -178,7 +178,7 @@ def _cuda_kernels(prof) -> KernelProfile:
     untraced = graph_launches - {e.get("args", {}).get("correlation") for e in kernels}
     if untraced:
         raise RuntimeError(f"the profiler traced no kernels of {len(untraced)} CUDA graph replays")
-    return KernelProfile(len(kernels), float(sum(e.get("dur", 0.0) for e in kernels)))
+    return KernelProfile(len(kernels), sum(e.get("dur", 0.0) for e in kernels) / 1e3)  # the trace's "dur" is in us
 
 
 # Ops that do no device work yet are not views by their schemas.

@@ -125,7 +125,7 @@ def build_record(common: dict, batch_size: int, ours: measure.Series, peer: meas
     record.update(report.speed_fields(ours.rates[batch_size], weights, copy_gb_s))
     kernels = ours.kernels.get(batch_size)
     record["kernels_per_step"] = kernels.num_kernels if kernels else None
-    record["kernel_ms_per_step"] = kernels.kernel_us / 1e3 if kernels and kernels.kernel_us is not None else None
+    record["kernel_ms_per_step"] = kernels.kernel_ms if kernels else None
     rates = ours.rates[batch_size]  # start-up as a server pays it: build, then the first call's compile and capture
     record["startup_s"] = {"build": common["build_s"], "first_call": rates.t_first, "compile": rates.warmup_s,
                            "compile_cache": common["compile_cache"]}
@@ -190,7 +190,7 @@ def _try_profile_kernels(engine, batch: list[list[int]], device, side: str,
         progress.write(f"{side} B={len(batch)}: kernels per step not counted: {type(exc).__name__}: {measure.first_line(exc)}")
         return None
     method = measure.kernels_counted_by(device)
-    took = "" if profile.kernel_us is None else f", {profile.kernel_us / 1e3:.3f} ms of kernel time"
+    took = "" if profile.kernel_ms is None else f", {profile.kernel_ms:.3f} ms of kernel time"
     progress.write(f"{side} B={len(batch)}: {profile.num_kernels} kernels per decode step ({method}){took}")
     return profile
 

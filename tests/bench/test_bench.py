@@ -140,7 +140,7 @@ def test_kernels_per_step_count_one_decode_step_and_grow_by_layer():
     for num_layers in (3, 4, 5):  # layer 0 dense, the others MoE
         engine = _tiny_engine(num_layers)
         profile = run.decode_step_kernels(engine, prompts, cpu)
-        assert profile.kernel_us is None  # ATen ops on the CPU: no device time to sum
+        assert profile.kernel_ms is None  # ATen ops on the CPU: no device time to sum
         counts[num_layers] = profile.num_kernels
         whole_run = {n: _generate_kernels(engine, prompts, n) for n in (6, 9)}
         assert whole_run[9] - whole_run[6] == 3 * counts[num_layers]
@@ -180,7 +180,7 @@ def test_cuda_kernels_count_graph_replays_sum_kernel_time_and_refuse_untraced_on
               {"ph": "f", "cat": "ac2g", "name": "flow", "args": {"correlation": 7}}]
     profile = measure._cuda_kernels(_Trace([launch, *kernels, *others]))
     assert profile.num_kernels == 4
-    assert profile.kernel_us == pytest.approx(sum(durations))  # kernels only: no copy, no runtime call
+    assert profile.kernel_ms == pytest.approx(sum(durations) / 1e3)  # kernels only: no copy, no runtime call
     with pytest.raises(RuntimeError, match="no kernels of 1 CUDA graph replays"):
         measure._cuda_kernels(_Trace([launch, *others]))
 
