@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import logging
 import os
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 from server.config import EngineConfig, ServerConfig, load_config
 from server.engine.types import EngineError
+from server.version import installed_version
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +68,6 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "pipeline_parallel": args.pipeline_parallel,
         "cpu_threads": args.cpu_threads,
     }
-
-
-def installed_version() -> str:
-    """The installed distribution's version; in a source checkout that is not installed, pyproject.toml's."""
-    try:
-        return importlib.metadata.version("mps-serve")
-    except importlib.metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
-        try:
-            return tomllib.loads(pyproject.read_text())["project"]["version"]
-        except (OSError, tomllib.TOMLDecodeError, KeyError):
-            return "unknown"
 
 
 def _seconds(text: str) -> float:

@@ -50,10 +50,11 @@ def no_saved_compiles(monkeypatch):
     """Compiled steps are not saved whole (saved_compile) unless a test asks for it (tests/engine/
     test_saved_compile.py): a step saved by an earlier test would spare a later one the trace it checks, and
     tracing to save skips inductor's FX graph cache, which keeps the suite's compiles short."""
-    import server.engine.compile_worker
-    import server.engine.compiled_steps
+    import server.compile.steps
+    import server.compile.twin
+    import server.compile.worker
 
-    for module in (server.engine.compiled_steps, server.engine.compile_worker):
+    for module in (server.compile.steps, server.compile.worker, server.compile.twin):
         monkeypatch.setattr(module, "saved_steps_dir", lambda spec: None)
 
 
@@ -62,6 +63,6 @@ def compile_in_process(monkeypatch):
     """Background compiles run in the serving process unless a test asks for the compile child
     (tests/engine/test_compile_child.py): a child per test would double the suite's compile work, and tests that
     patch a stage in this process would wait for a child that knows nothing of the patch."""
-    import server.engine.compiled_steps
+    import server.compile.steps
 
-    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", lambda engine, stages: None)
+    monkeypatch.setattr(server.compile.steps, "start_compile_child", lambda engine, stages: None)

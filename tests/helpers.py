@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from server.engine.saved_compile import saves_compiles
+from server.compile.saved import saves_compiles
 from server.kernels import compat
 
 # What torch's CPU build has from 2.13 on (the suite's torch); on older ones (the GPU machine's 2.11) the tests that

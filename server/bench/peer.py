@@ -13,15 +13,13 @@ import copy
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from server.bench.run import Target
-
 from server.bench.measure import Rates, Series, first_line, measure_series, total_weight_bytes
+from server.bench.presets import Target
 from server.bench.random_model import copy_our_weights_into
 
 log = logging.getLogger(__name__)

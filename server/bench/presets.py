@@ -83,3 +83,13 @@ def model_args(hf_config: dict[str, Any]):
     from server.models.registry import get_model_module
 
     return get_model_module(hf_config["model_type"]).ModelArgs.from_hf_config(hf_config)
+
+
+@dataclass
+class Target:
+    """What is measured: a preset (random weights) or a checkpoint."""
+
+    name: str
+    hf_config: dict[str, Any]
+    model_dir: Path | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)

@@ -11,8 +11,6 @@ import gc
 import logging
 import platform
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,21 +24,11 @@ from server.bench.options import (
     DEFAULT_PROMPT_LEN,
     BenchOptions,
 )
-from server.bench.presets import load_preset, with_num_layers
+from server.bench.presets import Target, load_preset, with_num_layers
 from server.config import EngineConfig, load_config
 from server.engine import device as device_mod
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class Target:
-    """What is measured: a preset (random weights) or a checkpoint."""
-
-    name: str
-    hf_config: dict[str, Any]
-    model_dir: Path | None = None
-    defaults: dict[str, Any] = field(default_factory=dict)
-
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from server.bench.options import options_from_args
@@ -159,7 +147,7 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
     info = {
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
         "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
-        "compile_prefill": engine.compile_prefill,  # the config's None resolved for this device and model
+        "compile_prefill": engine.steps.compile_prefill,  # the config's None resolved for this device and model
         "decode_attention": _decode_attention(engine),  # which attention each decode graph runs
         "cuda_graphs": engine.runner.decode_graphs is not None and engine.runner.decode_graphs.use_graphs,
         "kernels_counted_by": measure.kernels_counted_by(device),
@@ -203,7 +191,7 @@ def decode_step_kernels(engine, batch: list[list[int]], device) -> measure.Kerne
     from server.engine.types import SamplingParams
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    requests = [engine.make_request(prompt, dataclasses.replace(params)) for prompt in batch]
+    requests = [engine.inputs.make_request(prompt, dataclasses.replace(params)) for prompt in batch]
     for request in requests:
         engine.add_request(request)
     try:
@@ -228,9 +216,9 @@ def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max
     from server.bench.random_model import build_random_model, load_random
 
     if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
-        from server.engine.distributed import BuildSpec, start_engine
+        from server.engine.distributed import start_engine
 
-        return start_engine(BuildSpec(config, functools.partial(load_random, target.hf_config, opts.seed, max_len)))
+        return Engine(*start_engine(config, functools.partial(load_random, target.hf_config, opts.seed, max_len)))
     model = build_random_model(target.hf_config, device, dtype, opts.seed, config.quantization)
     return Engine.from_model(model, config, device, max_model_len=max_len)
 

@@ -139,7 +139,7 @@ class AsyncEngine:
         return await asyncio.to_thread(self.call, lambda: self.engine.embed(prompts, dimensions))
 
     def count_tokens(self, prompt: str) -> int:
-        return len(self.engine.encode_prompt(prompt))
+        return len(self.engine.inputs.encode_prompt(prompt))
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
@@ -148,7 +148,7 @@ class AsyncEngine:
             raise QueueFullError(num_waiting)
         if request_id is not None and request_id in self._handles:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        request = self.engine.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
+        request = self.engine.inputs.make_request(prompt, params, request_id)  # validates; raises InvalidRequestError
         handle = AsyncRequestHandle(self, request, self._event_loop or asyncio.get_running_loop())
         self._handles[request.request_id] = handle
         with self._pending_lock:

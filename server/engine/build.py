@@ -1,5 +1,5 @@
-"""Wiring an engine: load a checkpoint, size the KV cache and the hybrid state pool, build the scheduler and
-the model runner. Plain functions from values to values; `Engine.__init__` calls `build_parts`."""
+"""Wiring an engine's step-level parts: load a checkpoint, size the KV cache and the hybrid state pool, build the
+scheduler and the eager model runner. Plain functions from values to values; what compiles is server.compile's."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import torch
 from server.config import EngineConfig
 from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
-from server.engine.decode_graphs import DecodeGraphs, use_flex_at_batch_1
 from server.engine.kv_manager import KVManager
-from server.engine.model_runner import CompiledSteps, KVCache, ModelRunner
+from server.engine.model_runner import KVCache, ModelRunner
 from server.engine.scheduler import Scheduler, SchedulerConfig
 from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
@@ -32,8 +31,7 @@ class EngineParts:
     state_cache: StateCache | None  # hybrids only
     kv_manager: KVManager
     scheduler: Scheduler
-    runner: ModelRunner
-    compile_prefill: bool  # the config's None resolved for this device and model
+    runner: ModelRunner  # the eager runner
 
 
 def load_pretrained(config: EngineConfig, layout: Layout | None = None,
@@ -87,13 +85,8 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     kv_manager = KVManager(allocator, state_slots)
     limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler = Scheduler(limits, kv_manager)
-    graphs = decode_graphs(model, config, device, dtype, kv_cache, state_cache, max_model_len)
-    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, graphs, state_cache)
-    compile_prefill = wants_compiled_prefill(config, device, graphs is not None, state_cache is not None)
-    if compile_prefill:
-        caches = list(kv_cache.layers) + [t for layer in (state_cache.layers if state_cache else []) for t in layer]
-        runner.forward_steps = CompiledSteps(model, caches, size_oblivious=state_cache is None)
-    return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, compile_prefill)
+    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache)
+    return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner)
 
 
 def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
@@ -136,28 +129,3 @@ def num_kv_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_
         return int(cap)
     granule = 1 << max((fitting // 64).bit_length() - 1, 0)
     return int(fitting // granule * granule)
-
-
-def compiles_decode(config: EngineConfig, device: torch.device) -> bool:
-    """Whether the decode step is compiled: by default on GPU backends, not on the CPU (tests switch it on)."""
-    return config.compile == "on" or (config.compile == "auto" and device.type != "cpu")
-
-
-def decode_graphs(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
-                  state_cache: StateCache | None, max_model_len: int) -> DecodeGraphs | None:
-    """The compiled decode step, where `compiles_decode`."""
-    if not compiles_decode(config, device):
-        return None
-    flex = use_flex_at_batch_1(device, dtype, config.block_size, state_cache is None)
-    blocks_per_seq = -(-max_model_len // config.block_size)
-    graphs = config.cuda_graphs if config.cuda_graphs is not None else True
-    return DecodeGraphs(model, kv_cache.layers, device, config.max_num_seqs, blocks_per_seq, graphs,
-                        state_cache=state_cache, flex_at_batch_1=flex)
-
-
-def wants_compiled_prefill(config: EngineConfig, device: torch.device, decode_compiled: bool, hybrid: bool) -> bool:
-    """An explicit setting wins. None: on where compiling makes prefill faster: with the compiled decode step, on
-    CUDA, attention-only models (a hybrid's dynamic-shape prefill graph takes minutes to compile cold)."""
-    if config.compile_prefill is not None:
-        return config.compile_prefill
-    return decode_compiled and device.type == "cuda" and not hybrid

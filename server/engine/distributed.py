@@ -33,8 +33,7 @@ import torch.distributed as dist
 from server.config import EngineConfig
 from server.engine.build import build_parts, load_pretrained
 from server.engine.device import select_device
-from server.engine.engine import Engine
-from server.engine.model_runner import InFlightStep, ModelRunner
+from server.engine.model_runner import InFlightStep, ModelRunner, QueuedForward
 from server.engine.request import Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.engine.types import EngineError, SamplingParams
@@ -131,8 +130,12 @@ class BuildSpec:
     load: Loader = load_pretrained
 
 
-def start_engine(spec: BuildSpec) -> Engine:
-    """Rank 0: have every rank build its part of the engine, and build rank 0's."""
+RankEngine = tuple  # Engine's arguments: (model, tokenizer, config, device, dtype, max_model_len, name, parts)
+
+
+def start_engine(config: EngineConfig, load: Loader = load_pretrained) -> RankEngine:
+    """Rank 0: have every rank build its part of the engine, and build rank 0's; -> the Engine's arguments."""
+    spec = BuildSpec(config, load)
     if not dist.is_initialized():
         kind, size = parallel_kind(spec.config)
         raise ValueError(f"{kind} parallel {size} runs one process per rank: start it with "
@@ -141,9 +144,9 @@ def start_engine(spec: BuildSpec) -> Engine:
     return build_engine(spec)
 
 
-def build_engine(spec: BuildSpec) -> Engine:
-    """This rank's engine: its part of the model and its KV cache (as many blocks as every rank holds), run
-    eagerly (the compiled decode step is one process's), led by rank 0 or following it."""
+def build_engine(spec: BuildSpec) -> RankEngine:
+    """This rank's engine's arguments: its part of the model and its KV cache (as many blocks as every rank
+    holds), run eagerly (the compiled decode step is one process's), led by rank 0 or following it."""
     config = replace(spec.config, compile="off", compile_prefill=False)
     kind, size = parallel_kind(config)
     device, _ = select_device(config.device)
@@ -153,8 +156,8 @@ def build_engine(spec: BuildSpec) -> Engine:
     model, tokenizer, device, dtype, max_model_len = spec.load(config, layout)
     parts = build_parts(model, config, device, dtype, max_model_len, agree_num_blocks=_fewest_over_ranks)
     runner_cls = LeaderRunner if layout.rank == 0 else FollowerRunner
-    parts.runner = runner_cls(layout, model, parts.kv_cache, device, model.args.vocab_size, None, parts.state_cache)
-    return Engine(model, tokenizer, config, device, dtype, max_model_len, config.model, parts)
+    parts.runner = runner_cls(layout, model, parts.kv_cache, device, model.args.vocab_size, parts.state_cache)
+    return model, tokenizer, config, device, dtype, max_model_len, config.model, parts
 
 
 def _fewest_over_ranks(num_blocks: int) -> int:
@@ -168,14 +171,14 @@ def follow() -> int:
     Ctrl-C is rank 0's to act on (torchrun sends it to every rank): rank 0 drains its requests, then releases
     the followers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    engine, prev = None, None
+    runner, prev = None, None
     while (message := _exchange()) is not None:
         if isinstance(message, BuildSpec):
-            engine = prev = None
+            runner = prev = None
             _release()
-            engine = build_engine(message)
+            runner = build_engine(message)[-1].runner
         else:
-            prev = engine.runner.follow(message, prev)
+            prev = runner.follow(message, prev)
     return 0
 
 
@@ -243,15 +246,20 @@ class _RankRunner(ModelRunner):
 class LeaderRunner(_RankRunner):
     """Rank 0's runner: each step's plan goes to the followers first; in tensor parallel the sampled ids after."""
 
-    def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None, token_bitmask=None) -> InFlightStep:
-        tensor = self.layout.kind == TENSOR
-        _exchange(StepPlan.of(out, self.kv_cache.block_size, with_token_ids=tensor))
+    def forward(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> QueuedForward:
+        _exchange(StepPlan.of(out, self.kv_cache.block_size, with_token_ids=self.layout.kind == TENSOR))
         try:
-            step = super().launch(out, prev, token_bitmask)
-            if tensor and step.token_ids is not None:
-                broadcast(step.token_ids, 0, self.layout.group)
+            return super().forward(out, prev)
         except RuntimeError as exc:  # a collective of the forward; every rank is now out of step
             lost_contact(exc)
+
+    def sample(self, queued: QueuedForward, token_bitmask=None) -> InFlightStep:
+        step = super().sample(queued, token_bitmask)
+        if self.layout.kind == TENSOR and step.token_ids is not None:
+            try:
+                broadcast(step.token_ids, 0, self.layout.group)
+            except RuntimeError as exc:
+                lost_contact(exc)
         return step
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from server.engine.device import serialized_device_work
 from server.engine.types import InvalidRequestError, ModelLoadError
 from server.kernels.paged_attention import prefill_sdpa_backends
 from server.models.base import ATTENTION, AttentionMetadata
@@ -105,3 +106,27 @@ def truncate(vector: list[float], dimensions: int | None, normalize: bool) -> li
         return head
     norm = sum(v * v for v in head) ** 0.5 or 1.0
     return [v / norm for v in head]
+
+
+def embed(model: torch.nn.Module, inputs, device: torch.device, pooling: Pooling | None, model_name: str,
+          prompts, dimensions: int | None = None) -> tuple[list[list[float]], int]:
+    """Pooled embedding of each prompt (text or token ids; `inputs`: engine.inputs.Inputs), truncated to
+    `dimensions` if given; -> (vectors, number of prompt tokens). Only for embedding checkpoints; runs while the
+    engine is between steps."""
+    if pooling is None:
+        raise InvalidRequestError(
+            f"the served model {model_name} is not an embedding model: its checkpoint has no "
+            "sentence-transformers pooling config (modules.json and a Pooling module). Serve an embedding "
+            "checkpoint such as Qwen3-Embedding.", param="model", code="model_not_embedding")
+    vectors, num_tokens = [], 0
+    for index, prompt in enumerate(prompts):
+        ids = inputs.prompt_ids(prompt)
+        if len(ids) > inputs.max_model_len:
+            raise InvalidRequestError(
+                f"input[{index}] is {len(ids)} tokens, more than this model's maximum context length of "
+                f"{inputs.max_model_len} tokens.", param="input", code="context_length_exceeded")
+        with serialized_device_work(device):
+            vector = pool(hidden_states(model, ids, device), pooling).tolist()
+        vectors.append(truncate(vector, dimensions, pooling.normalize))
+        num_tokens += len(ids)
+    return vectors, num_tokens

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx.experimental._config as shape_config
 from torch import nn
 
-from server.engine.device import serialized_device_work
-from server.engine.launch_wrapper import LaunchCompiled
 from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
@@ -62,32 +58,6 @@ class InFlightStep:
         return result
 
 
-class CompiledSteps:
-    """Prefill and mixed steps through torch.compile(dynamic=True) (EngineConfig.compile_prefill): one graph per
-    attention form instead of one per shape. Token, sequence and block counts vary freely; the caches never
-    change shape, so they are static (else torch's duck sizing equates e.g. a batch of 8 with 8 KV heads and
-    recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many; not
-    for hybrids, see below)."""
-
-    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], size_oblivious: bool = True):
-        for tensor in cache_tensors:
-            torch._dynamo.mark_static(tensor)
-        self._compiled = torch.compile(model, dynamic=True)
-        # Hybrids specialize size 1: with it size-oblivious, the Gated DeltaNet chunked prefill fails to trace or
-        # lower (a state broadcast, a `[-1:]` slice, solve_triangular's fake strides).
-        wanted = {"use_duck_shape": False, "backed_size_oblivious": size_oblivious}  # private knobs, where present
-        self._shape_config = {k: v for k, v in wanted.items() if hasattr(shape_config, k)}
-        # attention forms x MoE token-count paths: a few graphs of one forward, within dynamo's limit
-        self._recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
-
-    def __call__(self, *args):
-        # Set per call, in the calling thread: torch's compile settings are per thread (2.13+), and the
-        # background compile, the engine thread and the caller each compile on their own thread.
-        with shape_config.patch(**self._shape_config), torch._dynamo.config.patch(
-                recompile_limit=self._recompile_limit):
-            return self._compiled(*args)
-
-
 class KVCache:
     """Per layer one `[num_blocks, block_size, 2, num_kv_heads, head_dim]` tensor on the device: K and V side by
     side, so a step writes both with one scatter (kernels.paged_attention.write_kv)."""
@@ -103,107 +73,89 @@ class KVCache:
         return sum(2 * block_size * kv_heads * head_dim * item for kv_heads, head_dim in shapes)
 
 
+@dataclass
+class QueuedForward:
+    """A step whose forward is queued and whose sampler is not yet (ModelRunner.forward -> ModelRunner.sample)."""
+
+    step: InFlightStep
+    rows: list[sampling.SamplingRow]  # one per sample chunk, read before the step changed its requests
+    logits: torch.Tensor | None  # [num_samples, vocab] float32; None without sample chunks
+    prev: InFlightStep | None
+
+
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs=None, state_cache=None):
-        self.decode_graphs = decode_graphs  # DecodeGraphs, or None for the eager path
-        # With the compiled decode step, sampling is compiled too: the seeded sampler is several times faster
-        # compiled than eager per step; greedy-only batches stay eager (argmax).
-        self._sample = sampling.sample
-        if decode_graphs is not None:
-            self._sample = LaunchCompiled(sampling.sample, "the sampler",
-                                          None if decode_graphs.use_graphs else _sample_launched_from_cpp,
-                                          fullgraph=True, dynamic=None)
-        self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
+    """The eager step: SchedulerOutput -> device inputs -> model -> logits, then the sampler. A step is two calls,
+    `forward` and `sample`, so that the caller can compute the constrained rows' token masks in between."""
+
+    decode_graphs = None  # no compiled decode step (compile.runner.CompiledRunner has one)
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, state_cache=None):
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
-        self.forward_steps = model  # prefill and mixed steps (the eager model, or a compiled one: compile_prefill)
+        self.forward_steps = model  # prefill and mixed steps: the eager model, or a compiled form of it
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
         self.streams = DeviceStreams(device)
 
+    @property
+    def kernel_launch(self) -> str:
+        """Who launches the decode step's kernels."""
+        return "eager"
+
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput, prev: InFlightStep | None = None,
-               token_bitmask: Callable[[list[ScheduledChunk]], torch.Tensor] | None = None) -> InFlightStep:
-        """Queue the step's device work and the copy of its sampled ids to the host; returns at once on an
-        accelerator. Tokens still on the device from `prev` are fed by a device-side gather, not a host read.
-        `token_bitmask(sample_chunks)`, when given, is called once the forward is queued, before the sampler:
-        the host-side int32 [num_samples, ceil(V / 32)] mask of the tokens each row may sample."""
-        chunks = out.chunks
-        sample_chunks = [c for c in chunks if c.sample and not c.request.return_all_logits]
+               token_bitmask: torch.Tensor | None = None) -> InFlightStep:
+        """`forward` then `sample`, for a step without constrained rows or with their mask known already."""
+        return self.sample(self.forward(out, prev), token_bitmask)
+
+    @torch.inference_mode()
+    def forward(self, out: SchedulerOutput, prev: InFlightStep | None = None) -> QueuedForward:
+        """Queue the step's forward; returns at once on an accelerator. Tokens still on the device from `prev` are
+        fed by a device-side gather, not a host read."""
+        sample_chunks = [c for c in out.chunks if c.sample and not c.request.return_all_logits]
         step = InFlightStep(out, sample_chunks, {}, None, {}, {})
         rows = [_sampling_row(c.request) for c in sample_chunks]
-        if self.decode_graphs is not None and self._is_plain_decode(chunks):
-            logits = self._decode(chunks, prev)
-            if token_bitmask is None and sampling.is_plain_greedy(rows):  # the in-graph argmax is the sample
-                step.token_ids = self.decode_graphs.last_token_ids[: len(chunks)]
-        else:
-            input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(chunks)
-            self._feed_pending(input_ids, pending, prev)
-            with prefill_sdpa_backends(self.device):
-                hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
-            step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
-            logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
-        if sample_chunks:
-            if step.token_ids is None:
-                sampled = self._sample_rows(logits, rows, token_bitmask(sample_chunks) if token_bitmask else None)
-                self._keep_on_device(sampled.token_ids, prev)
-            else:
-                sampled = sampling.SamplerOutput(step.token_ids)
-            step.token_ids = sampled.token_ids
-            step.sample_rows = {c.request.request_id: i for i, c in enumerate(sample_chunks)}
-            for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
-                value = getattr(sampled, name)
-                if value is not None:
-                    step.copies[name] = self.streams.copy_to_host(value)
+        logits = self._forward(step, rows, prev)
+        return QueuedForward(step, rows, logits, prev)
+
+    def _forward(self, step: InFlightStep, rows: list[sampling.SamplingRow],
+                 prev: InFlightStep | None) -> torch.Tensor | None:
+        """The forward of any step: its all-position logits into `step.all_logits`; -> the sample rows' logits."""
+        input_ids, positions, meta, sample_index, logit_ranges, pending = self._prepare(step.out.chunks)
+        self._feed_pending(input_ids, pending, prev)
+        with prefill_sdpa_backends(self.device):
+            hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
+        step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
+        return self.model.compute_logits(hidden[sample_index]) if step.sample_chunks else None
+
+    @torch.inference_mode()
+    def sample(self, queued: QueuedForward, token_bitmask: torch.Tensor | None = None) -> InFlightStep:
+        """Queue the sampler and the copy of the sampled ids to the host. `token_bitmask`: the host-side int32
+        [num_samples, ceil(V / 32)] mask of the tokens each row may sample (structured outputs)."""
+        step = queued.step
+        if not step.sample_chunks:
+            return step
+        if step.token_ids is None:
+            sampled = self._sample_rows(queued.logits, queued.rows, token_bitmask)
+            self._on_sampled(sampled.token_ids, queued.prev)
+        else:  # the forward sampled already (a compiled greedy decode step)
+            sampled = sampling.SamplerOutput(step.token_ids)
+        step.token_ids = sampled.token_ids
+        step.sample_rows = {c.request.request_id: i for i, c in enumerate(step.sample_chunks)}
+        for name in ("token_ids", "logprobs", "top_ids", "top_logprobs"):
+            value = getattr(sampled, name)
+            if value is not None:
+                step.copies[name] = self.streams.copy_to_host(value)
         return step
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[sampling.SamplingRow],
                      token_bitmask: torch.Tensor | None) -> sampling.SamplerOutput:
         batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device, token_bitmask)
-        eager = batch.all_greedy or not self.sampler_ready
-        return sampling.sample(logits, batch) if eager else self._sample(logits, batch)
+        return sampling.sample(logits, batch)
 
-    @torch.inference_mode()
-    def warm_sampler(self, sample=None) -> None:
-        """Compile the sampler (`sample`: a form of it) for the usual sampled requests (a temperature, with top-p
-        or without), at one row and at several, so that the first of them does not wait for it."""
-        sample = sample or self._sample
-        for top_p in (1.0, 0.95):
-            for num_rows in (1, 2):
-                rows = [sampling.SamplingRow(temperature=0.7, top_p=top_p, seed=row) for row in range(num_rows)]
-                with serialized_device_work(self.device):
-                    batch = sampling.build_sampling_batch(rows, self.vocab_size, self.device)
-                    sample(torch.zeros(num_rows, self.vocab_size, device=self.device), batch, warm_up=True)
-
-    @property
-    def kernel_launch(self) -> str:
-        """Who launches the decode step's kernels now: DecodeGraphs.kernel_launch, or "eager"."""
-        return "eager" if self.decode_graphs is None else self.decode_graphs.kernel_launch
-
-    def launch_from_python_first(self) -> None:
-        """While the engine serves beside the compile: the compiled steps launch from inductor's Python wrapper,
-        which builds sooner, until `build_cpp_forms` has built their C++ forms (launch_wrapper)."""
-        self.decode_graphs.compiled.python_first()
-        self._sample.python_first()
-
-    def build_cpp_forms(self) -> None:
-        self.decode_graphs.build_cpp_form()
-        if self.sampler_ready:  # else its own stage failed: sampled rows stay eager
-            self._sample.build_cpp_form(self.warm_sampler)
-
-    def _keep_on_device(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
-        """Where the compiled decode step feeds from: the ids of the last step sampled, whichever path ran it."""
-        if self.decode_graphs is None:
-            return
-        self._after_readers(prev)
-        self.decode_graphs.last_token_ids[: token_ids.shape[0]].copy_(token_ids)
-
-    def _after_readers(self, prev: InFlightStep | None) -> None:
-        """Order what comes next after the host copy of `prev`'s ids, which may read `last_token_ids` (a wait on
-        the device; the host goes on)."""
-        if prev is not None and "token_ids" in prev.copies:
-            self.streams.wait(prev.copies["token_ids"])
+    def _on_sampled(self, token_ids: torch.Tensor, prev: InFlightStep | None) -> None:
+        """What a runner does with ids sampled outside its forward (a compiled decode step keeps them)."""
 
     def _feed_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, str]], prev: InFlightStep | None) -> None:
         """Copy tokens sampled by the in-flight step into this step's inputs, on the device."""
@@ -213,34 +165,6 @@ class ModelRunner:
         dest = torch.tensor([i for i, _ in pending], dtype=torch.int64).to(self.device, non_blocking=True)
         rows = torch.tensor([prev.sample_rows[rid] for _, rid in pending], dtype=torch.int64)
         input_ids.index_copy_(0, dest, prev.token_ids[rows.to(self.device, non_blocking=True)])
-
-    def _is_plain_decode(self, chunks: list[ScheduledChunk]) -> bool:
-        return len(chunks) <= self.decode_graphs.ready_num_seqs and all(
-            c.num_tokens == 1 and c.sample and not c.request.return_all_logits for c in chunks
-        )
-
-    def _decode(self, chunks: list[ScheduledChunk], prev: InFlightStep | None) -> torch.Tensor:
-        """One token per sequence through the compiled (and, on CUDA, graph-captured) step: the rows packed on
-        the host, one copy to the device (see DecodeGraphs)."""
-        graphs, block_size = self.decode_graphs, self.kv_cache.block_size
-        num_blocks = max(c.start // block_size + 1 for c in chunks)
-        padded_seqs, padded_blocks = graphs.padded_shape(len(chunks), num_blocks)
-        state_slots = self.state_cache.decode_slot_ids(chunks) if self.state_cache is not None else None
-        packed = []
-        for row, chunk in enumerate(chunks):
-            request, pos = chunk.request, chunk.start
-            token_id = request.token_ids[pos]
-            feed_row = prev.sample_rows[request.request_id] if token_id == PLACEHOLDER else -1
-            kv_slot = request.block_ids[pos // block_size] * block_size + pos % block_size
-            state_slot = state_slots[row] if state_slots is not None else None
-            table = request.block_ids[: pos // block_size + 1]
-            packed.append(graphs.rows.pack_row(max(token_id, 0), pos, kv_slot, feed_row, state_slot, table,
-                                               padded_blocks))
-        packed.extend([graphs.rows.padding_row(padded_blocks)] * (padded_seqs - len(chunks)))
-        host = torch.tensor(packed, dtype=torch.int64)  # [B_pad, num_fixed + blocks_pad]
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        return graphs.run(host, before_write=lambda: self._after_readers(prev))[: len(chunks)]
 
     def _prepare(self, chunks: list[ScheduledChunk]):
         block_size = self.kv_cache.block_size
@@ -296,13 +220,6 @@ class ModelRunner:
         if self.state_cache is not None:  # hybrids: snapshot copies / resets, then the rows' state slots
             self.state_cache.prepare(chunks, meta)
         return tensor(input_ids), tensor(positions), meta, tensor(sample_index), logit_ranges, pending
-
-
-def _sample_launched_from_cpp(*args, **kwargs):
-    """`sampling.sample` under a code object of its own, for its C++-wrapper form: dynamo keeps what it saw of a
-    function's shapes per code object, so after the Python form the C++ form compiled other (dynamic) graphs than
-    it does alone, and a restart that builds it alone missed the cache."""
-    return sampling.sample(*args, **kwargs)
 
 
 def _sampling_row(request: Request) -> sampling.SamplingRow:

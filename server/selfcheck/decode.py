@@ -13,8 +13,8 @@ import torch
 from server.bench import measure
 from server.bench.options import BenchOptions
 from server.bench.presets import available_presets, load_preset
+from server.compile.background import describe_failure
 from server.config import EngineConfig
-from server.engine.background_compile import describe_failure
 from server.engine.weights import empty_model
 from server.kernels.flex_decode import probe_compiled
 from server.selfcheck.results import FAIL, PASS, SKIP, Check, attempt

@@ -51,7 +51,7 @@ def memory_bytes() -> int | None:
 
 
 def system_info(device: torch.device, why: str, dtype: torch.dtype) -> dict[str, Any]:
-    from server.cli import installed_version
+    from server.version import installed_version
 
     mac = platform.mac_ver()[0]
     ram = memory_bytes()

@@ -32,8 +32,8 @@ def lead(spec: dict) -> None:
         results.append({"tokens": tokens, "logits": engine.score(spec["prompts"][0])})
         if spec.get("schema") is not None:  # a constrained row beside a free one: the bitmask reaches rank 0's sampler
             constrained = replace(params, structured=StructuredOutput.from_json_schema(spec["schema"]))
-            outputs = engine.run_to_completion([engine.make_request(spec["prompts"][0], constrained),
-                                                engine.make_request(spec["prompts"][1], params)])
+            outputs = engine.run_to_completion([engine.inputs.make_request(spec["prompts"][0], constrained),
+                                                engine.inputs.make_request(spec["prompts"][1], params)])
             results[-1]["constrained"] = [out.token_ids for out in outputs]
         while spec.get("forever"):
             print("stepping", flush=True)

@@ -14,10 +14,10 @@ import pytest
 import torch._inductor.compile_fx
 import torch.fx._symbolic_trace
 
-from server.engine.background_compile import SERVING_SWITCH_INTERVAL_S, describe_failure
-from server.engine.decode_graphs import DecodeGraphs
+from server.compile.background import SERVING_SWITCH_INTERVAL_S, describe_failure
+from server.compile.decode_graphs import DecodeGraphs
+from server.compile.runner import CompiledRunner
 from server.engine.engine import Engine
-from server.engine.model_runner import ModelRunner
 from server.engine.types import SamplingParams
 from tests.helpers import ENGINE_KW, random_ids
 
@@ -45,7 +45,7 @@ def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch
     warm = DecodeGraphs.warm
     monkeypatch.setattr(DecodeGraphs, "warm", lambda self, *args: gate.wait(120) and warm(self, *args))  # held
     if arch in HYBRIDS:  # its C++ form, minutes to build on the CPU, is test_hybrid_parity's
-        monkeypatch.setattr(ModelRunner, "build_cpp_forms", lambda self: None)
+        monkeypatch.setattr(CompiledRunner, "build_cpp_forms", lambda self: None)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert engine.compile_state == "lazy"
     background = engine.compile_in_background()
@@ -53,7 +53,7 @@ def test_requests_are_served_while_compiling_then_move_to_the_compiled_step(arch
     assert [o.token_ids for o in engine.generate(prompts, PARAMS)] == expected  # served while compiling
     assert engine.runner.decode_graphs is None
     # A request in flight while the compiled steps become ready: the first compiled decode step feeds from it.
-    requests = [engine.make_request(p, replace(PARAMS)) for p in prompts]
+    requests = [engine.inputs.make_request(p, replace(PARAMS)) for p in prompts]
     for request in requests:
         engine.add_request(request)
     engine.step()
@@ -214,7 +214,7 @@ def test_the_stages_after_a_failed_one_still_compile(tiny_checkpoint, monkeypatc
     def broken(self):
         raise RuntimeError("no scan kernel for this vocabulary")
 
-    monkeypatch.setattr(ModelRunner, "warm_sampler", broken)
+    monkeypatch.setattr(CompiledRunner, "warm_sampler", broken)
     served = record_graph_batches(monkeypatch)
     engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     background, warnings = compile_collecting_warnings(engine, caplog)

@@ -11,9 +11,10 @@ import pytest
 import torch._dynamo
 from torch._dynamo.utils import counters
 
-import server.engine.compiled_steps
+import server.compile.steps
+from server.compile import twin as compile_twin
+from server.compile import worker as compile_worker
 from server.config import EngineConfig
-from server.engine import compile_worker
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from server.models.quant import quantizable_linears
@@ -28,14 +29,14 @@ PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def with_child(monkeypatch, tmp_path):
     """The compile child on, in a cache directory of this test's own (the child inherits the environment)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", compile_worker.start_compile_child)
+    monkeypatch.setattr(server.compile.steps, "start_compile_child", compile_worker.start_compile_child)
     keep_stages(monkeypatch, lambda what: "C++" not in what)  # minutes to build on the CPU
 
 
 def keep_stages(monkeypatch, keep) -> None:
     """Only the warm-up stages `keep(what)` accepts; the child is not asked for the others either."""
-    stages = server.engine.compiled_steps.warm_up_stages
-    monkeypatch.setattr(server.engine.compiled_steps, "warm_up_stages",
+    stages = server.compile.steps.warm_up_stages
+    monkeypatch.setattr(server.compile.steps, "warm_up_stages",
                         lambda *args: [stage for stage in stages(*args) if keep(stage[0])])
 
 
@@ -84,7 +85,7 @@ def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_check
                                                                      monkeypatch):
     path, _ = tiny_checkpoint("llama")
     keep_stages(monkeypatch, lambda what: what == "the decode step of one sequence")
-    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child",  # a model the child cannot build
+    monkeypatch.setattr(server.compile.steps, "start_compile_child",  # a model the child cannot build
                         lambda spec, stages: compile_worker.start_compile_child(
                             {**spec, "hf_config": {"model_type": "no_such_model"}}, stages))
     prompts = [random_ids(7, 1)]
@@ -109,7 +110,7 @@ def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path, quanti
     real = engine.model
     spec = compile_worker.child_spec(real, engine.config, engine.device, engine.dtype, 64, 8)
     assert spec["fp8"] is (quantization == "fp8")
-    twin = compile_worker.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), spec["fp8"])
+    twin = compile_twin.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), spec["fp8"])
     real_tensors, twin_tensors = dict(real.state_dict(keep_vars=True)), dict(twin.state_dict(keep_vars=True))
     assert real_tensors.keys() == twin_tensors.keys()
     for name, tensor in real_tensors.items():
@@ -146,7 +147,7 @@ def test_a_child_is_asked_only_for_the_stages_the_cache_lacks(tiny_checkpoint, w
     assert compile_worker.start_compile_child(spec_of(engine), stages) is None
     compile_worker.start_compile_child(spec_of(engine), None)  # no twin listed its stages yet: one starts
     assert started.pop()["stages"] is None
-    compile_worker.write_marker(spec, compile_worker.STAGE_LIST, stages)  # as a child's twin does
+    compile_twin.write_marker(spec, compile_worker.STAGE_LIST, stages)  # as a child's twin does
     assert compile_worker.start_compile_child(spec_of(engine), None) is None and not started
     other = Engine.from_pretrained(str(path), **{**ENGINE_KW, "max_num_seqs": 4}, compile="on")  # other graphs
     compile_worker.start_compile_child(spec_of(other), stages)
@@ -161,9 +162,9 @@ def test_a_restart_whose_cache_holds_every_stage_builds_the_final_forms_from_the
     form from the first one on, and no child starts."""
     path, _ = tiny_checkpoint("llama")
     asked, started = [], []  # warm_up_stages' `beside_serving` per compile_in_background; children started
-    monkeypatch.setattr(server.engine.compiled_steps, "warm_up_stages",
+    monkeypatch.setattr(server.compile.steps, "warm_up_stages",
                         lambda runner, blocks, prefill, beside_serving: asked.append(beside_serving) or [])
-    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child",
+    monkeypatch.setattr(server.compile.steps, "start_compile_child",
                         lambda spec, stages: started.append(stages))
     for cached in (False, True):
         engine = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
@@ -172,8 +173,8 @@ def test_a_restart_whose_cache_holds_every_stage_builds_the_final_forms_from_the
         started.clear()
         names = ["the decode step of one sequence", "the decode step and the sampler launched from C++"]
         for what in names:  # as a child that filled them leaves them
-            compile_worker.write_marker(spec_of(engine), what, "filled")
-        compile_worker.write_marker(spec_of(engine), compile_worker.STAGE_LIST, names)
+            compile_twin.write_marker(spec_of(engine), what, "filled")
+        compile_twin.write_marker(spec_of(engine), compile_worker.STAGE_LIST, names)
 
 
 def spec_of(engine) -> dict:
@@ -209,7 +210,7 @@ def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it
         started.append((spec, stages, len(weights_read)))
         return Child()
 
-    monkeypatch.setattr(server.engine.compiled_steps, "start_compile_child", start)
+    monkeypatch.setattr(server.compile.steps, "start_compile_child", start)
     kw = dict(ENGINE_KW, kv_cache_memory_bytes=100_000)  # a budget-limited count
     engine = Engine.from_config(EngineConfig(model=str(path), **kw, compile="on"), compile_beside_serving=True)
     (spec, stages, num_read), = started
@@ -228,7 +229,7 @@ def test_a_stage_the_child_was_not_asked_for_is_not_waited_for(tmp_path):
     import sys
     import time
 
-    from server.engine.compile_child import CompileChild
+    from server.compile.child import CompileChild
 
     child = CompileChild.start({"stages": ["the sampler"]}, [sys.executable, "-c", "import time; time.sleep(60)"],
                                {}, tmp_path / "child.log", lambda: 0)

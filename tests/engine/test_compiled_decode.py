@@ -187,8 +187,8 @@ def test_compiled_steps_match_eager_logprobs(tiny_checkpoint):
 def test_compile_prefill_default(device, decode_compiled, hybrid, quantization, setting, expected):
     import torch
 
+    from server.compile.policy import wants_compiled_prefill
     from server.config import EngineConfig
-    from server.engine.build import wants_compiled_prefill
 
     config = EngineConfig(compile_prefill=setting, quantization=quantization)
     assert wants_compiled_prefill(config, torch.device(device), decode_compiled, hybrid) is expected
@@ -252,9 +252,9 @@ def test_compiled_steps_raise_dynamos_recompile_limit_in_whichever_thread_calls_
     background compile or the engine thread, where prefill's graphs compile."""
     import threading
 
-    from server.engine.model_runner import CompiledSteps
+    from server.compile.prefill import CompiledPrefill
 
-    steps = CompiledSteps(torch.nn.Identity(), [])
+    steps = CompiledPrefill(torch.nn.Identity(), [])
     seen = []
     steps._compiled = lambda *args: seen.append(torch._dynamo.config.recompile_limit)
     thread = threading.Thread(target=steps, args=(torch.zeros(1),))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from server.engine.decode_graphs import NULL_BLOCK, DecodeRows
+from server.compile.decode_graphs import NULL_BLOCK, DecodeRows
 
 
 def test_rows_round_trip_with_and_without_a_state_slot():

@@ -87,8 +87,8 @@ def test_a_constrained_request_under_tensor_parallel_matches_one_process(tmp_pat
     engine = make_engine("demo")
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True)
     constrained = replace(params, structured=StructuredOutput.from_json_schema(schema))
-    expected = engine.run_to_completion([engine.make_request(PROMPTS[0], constrained),
-                                         engine.make_request(PROMPTS[1], params)])
+    expected = engine.run_to_completion([engine.inputs.make_request(PROMPTS[0], constrained),
+                                         engine.inputs.make_request(PROMPTS[1], params)])
     assert result["constrained"] == [out.token_ids for out in expected]
     assert result["constrained"][0] != result["tokens"][0] and result["constrained"][1] == result["tokens"][1]
 

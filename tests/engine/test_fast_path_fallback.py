@@ -12,7 +12,7 @@ import torch
 import torch._functorch.config
 import torch._inductor.config
 
-from server.engine import background_compile
+from server.compile import background as background_compile
 from server.engine.types import SamplingParams
 from server.kernels import compat, fp8, moe, moe_fp8, streams
 from server.kernels.capabilities import Probe, capabilities
@@ -155,15 +155,16 @@ def _run_uncached(run, *args):
 def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
     """The compiled steps were ready, then a shape they had not seen fails to compile: eager for good, one
     warning, and the engine never moves back to the compiled runner."""
-    from server.engine.engine import Engine
+    from server.compile.runner import CompiledRunner
+    from server.compile.steps import CompiledSteps
 
     path, _ = tiny_checkpoint("qwen3")
     expected = _tokens(path, compile="off")
     engine = make_engine(path, compile="on", max_num_seqs=2)
     with monkeypatch.context() as patch:
-        patch.setattr(Engine, "_warm_up_stages", lambda self, runner, beside_serving: [])  # "ready" at once: nothing compiled
+        patch.setattr(CompiledSteps, "warm_up_stages", lambda self, beside_serving=False: [])  # "ready" at once: nothing compiled
         assert engine.compile_in_background().join(60) and engine.compile_state == "ready"
-    monkeypatch.setattr(type(engine.runner), "launch", broken_launch := _raising_launch(type(engine.runner).launch))
+    monkeypatch.setattr(CompiledRunner, "forward", broken_launch := _raising_forward(CompiledRunner.forward))
     with caplog.at_level(logging.WARNING):
         got = [out.token_ids for out in engine.generate(PROMPTS, PARAMS)]
         assert [out.token_ids for out in engine.generate(PROMPTS, PARAMS)] == got
@@ -173,12 +174,10 @@ def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_check
     assert broken_launch.calls == 1
 
 
-def _raising_launch(launch):
-    """ModelRunner.launch that raises a compile failure on the compiled runner, and runs the eager one."""
+def _raising_forward(forward):
+    """CompiledRunner.forward that raises a compile failure."""
 
-    def patched(runner, out, prev=None, token_bitmask=None):
-        if runner.decode_graphs is None:
-            return launch(runner, out, prev, token_bitmask)
+    def patched(runner, out, prev=None):
         patched.calls += 1
         raise torch._dynamo.exc.TorchDynamoException("no kernel for this shape")
 
@@ -196,7 +195,7 @@ def _raising(exc: Exception):
 def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplog):
     """A failure while the C++ form runs reaches the caller (a step that ran part way may not run again); in a
     warm-up call (padding rows, scratch outputs: safe to run twice) it falls back like a failed build."""
-    from server.engine.launch_wrapper import LaunchCompiled
+    from server.compile.launch_wrapper import LaunchCompiled
 
     def step_fn(x):
         return x * 2 + 1
@@ -218,7 +217,7 @@ def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplo
 def test_a_cpp_form_built_beside_serving_launches_only_once_its_warm_up_ran(caplog):
     """Beside serving the Python form launches the step until the C++ form's warm-up calls have all run; one that
     fails leaves the Python form, with one warning, and the C++ form is never tried again."""
-    from server.engine.launch_wrapper import LaunchCompiled
+    from server.compile.launch_wrapper import LaunchCompiled
 
     def step_fn(x):
         return x - 3

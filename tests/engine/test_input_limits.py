@@ -22,17 +22,17 @@ def test_a_prompt_that_cannot_fit_is_refused_without_tokenizing(engine, monkeypa
     limit = engine.max_model_len * engine.tokenizer.max_chars_per_token
     monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenized a hopeless prompt"))
     with pytest.raises(ContextLengthExceededError, match=r"resulted in at least \d+ tokens") as info:
-        engine.make_request("x" * limit, SamplingParams())
+        engine.inputs.make_request("x" * limit, SamplingParams())
     assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
     with pytest.raises(ContextLengthExceededError, match=f"resulted in {engine.max_model_len} tokens"):
-        engine.make_request([1] * engine.max_model_len, SamplingParams())
+        engine.inputs.make_request([1] * engine.max_model_len, SamplingParams())
 
 
 def test_a_prompt_under_the_bound_is_tokenized_and_counted(engine) -> None:
     limit = engine.max_model_len * engine.tokenizer.max_chars_per_token
     text = "word " * (limit // 10)  # half the cheap bound, yet more tokens than the context holds
     with pytest.raises(ContextLengthExceededError, match=r"resulted in \d+ tokens") as info:
-        engine.make_request(text, SamplingParams())
+        engine.inputs.make_request(text, SamplingParams())
     assert info.value.prompt_len == len(engine.tokenizer.encode(text))
 
 

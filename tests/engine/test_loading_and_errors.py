@@ -50,23 +50,23 @@ def rewrite_single_file(path, state) -> None:
 )
 def test_bad_sampling_params_name_the_field(engine, params, field):
     with pytest.raises(InvalidRequestError) as info:
-        engine.make_request([1, 2, 3], params)
+        engine.inputs.make_request([1, 2, 3], params)
     assert info.value.param == field and field in str(info.value)
 
 
 def test_empty_prompt_and_out_of_vocab_ids(engine):
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
-        engine.make_request([], SamplingParams())
+        engine.inputs.make_request([], SamplingParams())
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
-        engine.make_request("", SamplingParams())
+        engine.inputs.make_request("", SamplingParams())
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        engine.make_request([1, 300], SamplingParams())
+        engine.inputs.make_request([1, 300], SamplingParams())
 
 
 def test_prompt_longer_than_context(llama):
     engine = Engine.from_pretrained(str(llama[0]), **{**ENGINE_KW, "max_model_len": 32})
     with pytest.raises(ContextLengthExceededError) as info:
-        engine.make_request(random_ids(40, 1), SamplingParams())
+        engine.inputs.make_request(random_ids(40, 1), SamplingParams())
     assert "maximum context length is 32 tokens" in str(info.value) and "40 tokens" in str(info.value)
     # A prompt that fits is capped at the limit instead of failing.
     out = engine.generate(random_ids(28, 1), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))

@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from server.engine import compile_worker, compiled_steps, saved_compile
+from server.compile import saved as saved_compile
+from server.compile import steps as compiled_steps
+from server.compile import worker as compile_worker
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from tests.engine.test_compile_child import compile_beside_serving, with_child  # noqa: F401 - a fixture
@@ -61,7 +63,7 @@ def test_a_restart_loads_the_saved_decode_step_traces_nothing_and_gives_the_eage
     assert stats["unique_graphs"] >= 1
     saved = sorted(store.rglob("*.pt2"))
     assert saved  # one per traced entry
-    with caplog.at_level(logging.INFO, logger="server.engine.saved_compile"):
+    with caplog.at_level(logging.INFO, logger="server.compile.saved"):
         restarted, stats = restart(path)
         assert token_ids(restarted, prompts) == expected
     assert stats.get("unique_graphs", 0) == 0  # dynamo traced nothing

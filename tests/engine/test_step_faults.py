@@ -18,26 +18,26 @@ from tests.api.harness import RunningServer, run_app, sse_events
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def fail_launch(monkeypatch, runner, at_call: int) -> None:
-    """The runner's `at_call`-th launch from now raises; the others run."""
-    real_launch, calls = runner.launch, {"n": 0}
+def fail_forward(monkeypatch, runner, at_call: int) -> None:
+    """The runner's `at_call`-th forward from now raises; the others run."""
+    real_forward, calls = runner.forward, {"n": 0}
 
-    def launch(*args, **kwargs):
+    def forward(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == at_call:
             raise RuntimeError("injected device fault")
-        return real_launch(*args, **kwargs)
+        return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "forward", forward)
 
 
 def test_a_failing_step_ends_only_its_requests(monkeypatch) -> None:
     engine = Engine.from_pretrained("demo", device="cpu", max_num_seqs=1)
     solo = engine.generate("the small model wakes up", GREEDY)
-    first, second = (engine.make_request(p, GREEDY) for p in ("one two three", "the small model wakes up"))
+    first, second = (engine.inputs.make_request(p, GREEDY) for p in ("one two three", "the small model wakes up"))
     engine.add_request(first)
     engine.add_request(second)  # waits: one sequence at a time
-    fail_launch(monkeypatch, engine.runner, at_call=2)  # the first request's first decode step
+    fail_forward(monkeypatch, engine.runner, at_call=2)  # the first request's first decode step
     engine.step()
     with pytest.raises(StepFailedError, match="injected device fault") as info:
         engine.step()
@@ -63,14 +63,14 @@ def test_the_server_serves_on_after_a_failed_step(real: RunningServer, monkeypat
     expected = real.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
     runner = real.engine.engine.runner
 
-    fail_launch(monkeypatch, runner, at_call=2)
+    fail_forward(monkeypatch, runner, at_call=2)
     r = real.post("/v1/chat/completions", {**body, "stream": True})
     data, _ = sse_events(r)
     first_id = json.loads(data[0])["id"]
     error = json.loads(data[-1])["error"]  # the last event: no [DONE] after an error
     assert r.status_code == 200 and first_id in error["message"] and "injected device fault" in error["message"]
 
-    fail_launch(monkeypatch, runner, at_call=1)
+    fail_forward(monkeypatch, runner, at_call=1)
     r = real.post("/v1/chat/completions", body)
     assert r.status_code == 500 and "request chatcmpl-" in r.json()["error"]["message"]
 

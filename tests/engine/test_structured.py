@@ -96,8 +96,8 @@ def test_json_object_mode_gives_an_object(engine) -> None:
 def test_unconstrained_neighbours_keep_their_tokens(engine) -> None:
     plain = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
     alone = engine.generate("the small model", plain)
-    reqs = [engine.make_request("the small model", plain),
-            engine.make_request("hello", _constrained(SCHEMAS["nested"], seed=3))]
+    reqs = [engine.inputs.make_request("the small model", plain),
+            engine.inputs.make_request("hello", _constrained(SCHEMAS["nested"], seed=3))]
     mixed = engine.run_to_completion(reqs)
     assert mixed[0].token_ids == alone.token_ids
     jsonschema.validate(json.loads(mixed[1].text), SCHEMAS["nested"])
@@ -118,7 +118,7 @@ def test_a_grammar_that_cannot_finish_ends_with_length(engine) -> None:
 ])
 def test_a_bad_schema_is_refused_before_generating(engine, schema, reason) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        engine.make_request("x", SamplingParams(structured=StructuredOutput.from_json_schema(schema, param="rf")))
+        engine.inputs.make_request("x", SamplingParams(structured=StructuredOutput.from_json_schema(schema, param="rf")))
     assert info.value.param == "rf"
     assert reason in info.value.message
     assert not engine.has_unfinished

@@ -164,7 +164,7 @@ def test_engine_steps_never_sync_with_the_host(arch, hybrid_checkpoint):
     path, _ = hybrid_checkpoint(arch)
     engine = make_engine(path)
     for n in (30, 7):
-        engine.add_request(engine.make_request(random_ids(n, seed=n), copy.copy(GREEDY)))
+        engine.add_request(engine.inputs.make_request(random_ids(n, seed=n), copy.copy(GREEDY)))
     with assert_no_host_sync():
         while engine.has_unfinished:
             engine.step()
@@ -178,7 +178,7 @@ def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
     engine = make_engine(path, enable_prefix_caching=False, kv_cache_memory_bytes=24 * per_block)  # KV only
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     prompts = [random_ids(40, seed=30 + i) for i in range(4)]
-    requests = [engine.make_request(p, copy.copy(params)) for p in prompts]
+    requests = [engine.inputs.make_request(p, copy.copy(params)) for p in prompts]
     for request in requests:
         engine.add_request(request)
     while engine.has_unfinished:
@@ -186,7 +186,7 @@ def test_preemption_and_abort_return_state_slots(hybrid_checkpoint):
     assert any(r.num_preemptions for r in requests)
     for prompt, request in zip(prompts, requests, strict=True):
         assert request.output_token_ids == probe.generate(prompt, params).token_ids
-    aborted = engine.make_request(prompts[0], copy.copy(params))
+    aborted = engine.inputs.make_request(prompts[0], copy.copy(params))
     engine.add_request(aborted)
     for _ in range(3):
         engine.step()

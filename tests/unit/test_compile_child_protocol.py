@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from server.engine.compile_child import CompileChild
+from server.compile.child import CompileChild
 
 
 def scripted_child(tmp_path, lines: list[dict | str], exit_code: int = 0, misses=lambda: 0) -> CompileChild:

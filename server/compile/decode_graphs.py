@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import torch
 
+from server.compile.launch_wrapper import LaunchCompiled
 from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
-from server.engine.launch_wrapper import LaunchCompiled
 from server.kernels import flex_decode, sampling
 from server.models.base import AttentionMetadata
 
@@ -160,6 +160,7 @@ class DecodeGraphs:
         # What warm-up runs write instead; made here, outside inference mode, so that its guards match the above.
         self._scratch_ids = torch.zeros_like(self.last_token_ids)
         self.use_graphs = graphs and device.type == "cuda"
+        self.pin_inputs = device.type == "cuda"  # the packed rows' host copy, pinned: an asynchronous upload
         # Launched kernel by kernel, the C++ wrapper saves host time per kernel; its step inlines the layers.
         self.compiled = LaunchCompiled(self.step.forward, "the decode step",
                                        None if self.use_graphs else self.step.forward_layers_inline,

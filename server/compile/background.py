@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
-from server.engine.compile_child import CompileChild
-from server.engine.warmup import Stage
+from server.compile.child import CompileChild
+from server.compile.warmup import Stage
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from server.engine.background_compile import describe_failure
-from server.engine.saved_compile import DynamicDims, SavedCompile
+from server.compile.background import describe_failure
+from server.compile.saved import DynamicDims, SavedCompile
 from server.kernels import compat
 
 log = logging.getLogger(__name__)
