@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as BackendTokenizer
 
-DEMO_NAME = "demo"
 DEMO_DIR_NAME = "demo-v1"  # bump when the files below change, so old caches are not reused
 CACHE_ENV = "MPS_SERVE_CACHE"
 SEED = 1234

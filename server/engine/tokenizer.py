@@ -110,10 +110,6 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ text <-> ids
 
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 

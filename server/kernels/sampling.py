@@ -80,10 +80,6 @@ class SamplingBatch:
     max_top_k: int
     max_num_logprobs: int | None  # None: no row wants logprobs
 
-    @property
-    def need_filter(self) -> bool:
-        return self.need_top_k or self.need_top_p or self.need_min_p
-
 
 @dataclass
 class SamplerOutput:

@@ -20,9 +20,6 @@ class PendingCopy:
         self._host = host
         self._event = event
 
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
     def wait(self) -> torch.Tensor:
         if self._event is not None:
             self._event.synchronize()

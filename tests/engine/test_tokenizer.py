@@ -325,7 +325,7 @@ def test_named_templates_pick_tool_use(demo_dir, tmp_path, rng):
 
 def test_no_chat_template(demo_dir, tmp_path):
     ours = Tokenizer.from_pretrained(write_template_dir(demo_dir, tmp_path, None))
-    assert not ours.has_chat_template
+    assert not ours.chat_template
     with pytest.raises(InvalidRequestError, match="no chat template"):
         ours.apply_chat_template([{"role": "user", "content": "hi"}])
 

@@ -131,7 +131,8 @@ def test_noise_is_exponential_and_independent_per_row():
 
 def test_flags_skip_work_for_plain_rows():
     batch = build_sampling_batch([SamplingRow(0.0), SamplingRow(0.0)], VOCAB, "cpu")
-    assert batch.all_greedy and not (batch.need_penalties or batch.need_bias or batch.need_filter)
+    assert batch.all_greedy and not (batch.need_penalties or batch.need_bias or batch.need_top_k or batch.need_top_p
+                                   or batch.need_min_p)
     assert batch.output_counts is None and batch.logit_bias is None and batch.max_num_logprobs is None
     batch = build_sampling_batch([SamplingRow(1.0, top_k=5), SamplingRow(0.0, top_p=0.5)], VOCAB, "cpu")
     assert batch.need_top_k and not batch.need_top_p  # the greedy row's top_p is never used
