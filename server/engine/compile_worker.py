@@ -96,7 +96,7 @@ class ChildBeforeLoad:
         from server.engine.build import compiles_decode, plan_num_kv_blocks
 
         self.num_kv_blocks = plan_num_kv_blocks(model, self.config, device, dtype, max_model_len)
-        if compiles_decode(self.config, device) or self.config.compile_prefill:
+        if compiles_decode(self.config, device) or self.config.compilation.compile_prefill:
             spec = child_spec(model, self.config, device, dtype, max_model_len, self.num_kv_blocks)
             self.child = self._start(spec, None)
 
@@ -106,7 +106,7 @@ def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dty
     """What the child needs to build the twin of the engine these make, all of it part of its stages' cache
     key."""
     hf_config = getattr(model, "hf_config", None)
-    if hf_config is None or config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+    if hf_config is None or config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
         return None
     return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
@@ -136,7 +136,8 @@ def _engine_key(spec: dict, what) -> str:
     """A key of the engine `spec` describes and `what`; the KV memory settings are not in it: what they do to the
     graphs is the block count's, which is."""
     engine = {k: v for k, v in spec.items() if k not in ("stages", "save_steps")}
-    engine["config"] = {k: v for k, v in spec["config"].items() if not k.startswith("kv_cache_memory_")}
+    cache = {k: v for k, v in spec["config"]["cache"].items() if not k.startswith("kv_cache_memory_")}
+    engine["config"] = {**spec["config"], "cache": cache}
     return hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -218,13 +219,13 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":
-        flex_decode.probe_compiled(str(device), dtype, config.block_size)
+        flex_decode.probe_compiled(str(device), dtype, config.cache.block_size)
     fill_caches_on_compile()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8"])
     with fake_mode:
         parts = build_parts(model, config, device, dtype, spec["max_model_len"], lambda _: spec["num_kv_blocks"])
-        engine = Engine(model, None, config, device, dtype, spec["max_model_len"], config.model, parts)
+        engine = Engine(model, None, config, device, dtype, spec["max_model_len"], config.load.model, parts)
         stages = engine._warm_up_stages(engine.runner, beside_serving=True)
     graphs = engine.runner.decode_graphs
     if graphs is not None:

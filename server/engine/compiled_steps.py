@@ -97,7 +97,7 @@ class CompiledSteps:
         shadow = type(self)(self.model, None, self.config, self.device, self.dtype, self.max_model_len, self.model_name,
                         parts)
         runs = prefill_warm_up_runs(decode_through_prefill, self.state_cache is not None, self.vocab_size,
-                                    self.config.max_num_batched_tokens, self.max_model_len)
+                                    self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         shadow._warming_up = True
         try:
             for prompts in runs:

@@ -63,7 +63,7 @@ class InFlightStep:
 
 
 class CompiledSteps:
-    """Prefill and mixed steps through torch.compile(dynamic=True) (EngineConfig.compile_prefill): one graph per
+    """Prefill and mixed steps through torch.compile(dynamic=True) (EngineConfig.compilation.compile_prefill): one graph per
     attention form instead of one per shape. Token, sequence and block counts vary freely; the caches never
     change shape, so they are static (else torch's duck sizing equates e.g. a batch of 8 with 8 KV heads and
     recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many; not
