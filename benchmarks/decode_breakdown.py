@@ -83,9 +83,9 @@ def main() -> None:
     if args.num_layers is not None:
         hf_config = with_num_layers(hf_config, args.num_layers)
     model = build_random_model(hf_config, device, torch.bfloat16, quantization=args.quantize)
-    config = EngineConfig(model=args.preset, max_num_seqs=max(args.max_num_seqs, args.batch), max_num_batched_tokens=2048,
-                          max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
-                          cuda_graphs=args.graphs == "1", compile_prefill=False if args.eager_prefill else None)
+    config = EngineConfig.from_flat(model=args.preset, max_num_seqs=max(args.max_num_seqs, args.batch), max_num_batched_tokens=2048,
+                                    max_model_len=4096, kv_cache_memory_bytes=8 << 30, compile="on",
+                                    cuda_graphs=args.graphs == "1", compile_prefill=False if args.eager_prefill else None)
     engine = Engine.from_model(model, config, device)
     prompts = [list(range(1, args.prompt_len + 1))] * args.batch
     # Every stage built before the profile (the no-graph step's C++ form too), then the profiled call once: a

@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     model = build_random_model(hf_config, device, dtype, 0)
-    engine = Engine.from_model(model, EngineConfig(model=args.preset, device=device.type, compile="off"), device,
+    engine = Engine.from_model(model, EngineConfig.from_flat(model=args.preset, device=device.type, compile="off"), device,
                                max_model_len=4096)
     prompt = torch.randint(0, hf_config["vocab_size"], (128,)).tolist()
     decode_rate(engine, prompt, 8)  # first-call costs

@@ -62,8 +62,8 @@ def build_engine(args: argparse.Namespace, max_len: int):
 
     max_seqs = max(args.streams)
     if args.model:
-        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max_seqs,
-                              max_model_len=max_len, enable_prefix_caching=False, **args.engine_options)
+        config = EngineConfig.from_flat(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=max_seqs,
+                                        max_model_len=max_len, enable_prefix_caching=False, **args.engine_options)
         return Engine.from_config(config)
     from server.bench.random_model import build_random_model
     from server.engine.tokenizer import Tokenizer
@@ -75,9 +75,9 @@ def build_engine(args: argparse.Namespace, max_len: int):
     with tempfile.TemporaryDirectory() as tmp:
         write_word_tokenizer(Path(tmp), int(hf_config["vocab_size"]))
         tokenizer = Tokenizer.from_pretrained(tmp)
-    config = EngineConfig(model=args.preset, device=device.type, dtype=str(dtype).removeprefix("torch."),
-                          max_num_seqs=max_seqs, max_model_len=max_len, enable_prefix_caching=False,
-                          **args.engine_options)
+    config = EngineConfig.from_flat(model=args.preset, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                                    max_num_seqs=max_seqs, max_model_len=max_len, enable_prefix_caching=False,
+                                    **args.engine_options)
     return Engine.from_model(model, config, device, tokenizer=tokenizer, max_model_len=max_len)
 
 

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
 
     def engine(compile_mode: str) -> Engine:
-        config = EngineConfig(model=args.preset, device=device.type, compile=compile_mode, max_num_seqs=4)
+        config = EngineConfig.from_flat(model=args.preset, device=device.type, compile=compile_mode, max_num_seqs=4)
         return Engine.from_model(model, config, device, max_model_len=256)
 
     eager = engine("off")

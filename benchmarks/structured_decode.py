@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = device_mod.select_dtype("auto", device, hf_config.get("torch_dtype"))
     model = build_random_model(hf_config, device, dtype, 0)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    config = EngineConfig(model=args.preset, device=device.type, max_num_seqs=max(batch_sizes))
+    config = EngineConfig.from_flat(model=args.preset, device=device.type, max_num_seqs=max(batch_sizes))
     engine = Engine.from_model(model, config, device, tokenizer=tokenizer, max_model_len=4096)
     if tokenizer.vocab_size > engine.vocab_size:
         parser.error(f"the tokenizer's {tokenizer.vocab_size} ids do not fit the model's {engine.vocab_size} logits")

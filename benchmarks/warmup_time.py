@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 
         server.engine.compiled_steps.start_compile_child = lambda spec, stages: None
     start = time.perf_counter()
-    config = EngineConfig(model=args.checkpoint or args.preset, device=device.type, compile="on",
-                          cuda_graphs=args.graphs == "on", max_model_len=4096)
+    config = EngineConfig.from_flat(model=args.checkpoint or args.preset, device=device.type, compile="on",
+                                    cuda_graphs=args.graphs == "on", max_model_len=4096)
     if args.checkpoint:
         engine = Engine.from_config(config, compile_beside_serving=args.serve_path and args.compile_child == "on")
     else:

@@ -26,19 +26,19 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
                         help="local Hugging Face checkpoint directory, Hub repo id, or 'demo' (default: the config "
-                             f"file's model, else {ENGINE_DEFAULTS.model}: a tiny random-weight model, no download)")
+                             f"file's model, else {ENGINE_DEFAULTS.load.model}: a tiny random-weight model, no download)")
     parser.add_argument("--device", choices=DEVICES, default=None,
-                        help=f"where the model runs; auto picks mps, then cuda, then cpu (default: {ENGINE_DEFAULTS.device})")
+                        help=f"where the model runs; auto picks mps, then cuda, then cpu (default: {ENGINE_DEFAULTS.load.device})")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
                         help="weight and activation dtype; auto: the checkpoint's on an accelerator, float32 on the "
-                             f"cpu (default: {ENGINE_DEFAULTS.dtype})")
+                             f"cpu (default: {ENGINE_DEFAULTS.load.dtype})")
     parser.add_argument("--quantize", choices=["none", "fp8"], default=None,
                         help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16 "
                              "(default: none)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help=f"sequences decoded together (default: {ENGINE_DEFAULTS.max_num_seqs})")
+                        help=f"sequences decoded together (default: {ENGINE_DEFAULTS.scheduler.max_num_seqs})")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="threads of torch's CPU ops (default: half the cores the process may use, at most 8)")
     parser.add_argument("--config", default=None,

@@ -4,24 +4,54 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class LoadConfig:
+    """What is loaded, from where, onto which device and in which precision."""
+
     model: str = "demo"
+    revision: str | None = None
     device: str = "auto"  # auto | mps | cuda | cpu
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     quantization: str | None = None  # None | "fp8"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512  # token budget per step; also the prefill chunk size
+    cpu_threads: int | None = None  # torch's intra-op threads; None: half the cores, at most 8 (engine/threads.py)
+
+    def __post_init__(self) -> None:
+        if self.quantization in ("none", ""):  # one spelling for "no quantization" from here on
+            object.__setattr__(self, "quantization", None)
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache (and the hybrids' states, which draw from the same budget)."""
+
     block_size: int = 16
+    enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # paged KV only; None: a fraction of free memory (hybrid states included)
     kv_cache_memory_fraction: float = 0.5
-    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits. Plain data: server.engine.scheduler (no torch) takes this type as is."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512  # token budget per step; also the prefill chunk size
+    # None: the model's max_position_embeddings; the scheduler's copy holds the length resolved for the model
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class CompileConfig:
     compile: str = "auto"  # auto (on for mps/cuda, off on cpu) | on | off: the compiled decode step
     # None: replay the compiled decode step as CUDA graphs where the device has them; False runs it as MPS
     # does (every kernel dispatched from the host), for measurement
@@ -29,27 +59,79 @@ class EngineConfig:
     # prefill and mixed steps through torch.compile(dynamic=True) too. None: on with the compiled decode step
     # on CUDA for bf16/fp16 attention-only models, where compiling makes prefill faster; elsewhere eager
     compile_prefill: bool | None = None
-    revision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile={self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
     # one model over several processes started by torchrun (server.engine.distributed): ranks that split every
     # layer (tensor) or hold contiguous layer ranges (pipeline); one of the two at a time
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     distributed_timeout_s: float = 300.0  # a collective of a step waits this long for a hung rank
-    cpu_threads: int | None = None  # torch's intra-op threads; None: half the cores, at most 8 (engine/threads.py)
 
     def __post_init__(self) -> None:
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile={self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
-        if self.quantization in ("none", ""):  # one spelling for "no quantization" from here on
-            object.__setattr__(self, "quantization", None)
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
         if min(self.tensor_parallel, self.pipeline_parallel) < 1:
             raise ValueError("tensor_parallel and pipeline_parallel count processes: at least 1")
         if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
             raise ValueError("use tensor parallel or pipeline parallel, not both at once")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One frozen sub-config per concern. `EngineConfig.from_flat(model=..., max_num_seqs=...)` builds one from
+    the flat setting names (the TOML keys of [engine]); each name keeps its name inside its section."""
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation: CompileConfig = field(default_factory=CompileConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> EngineConfig:
+        flat = sorted(set(kwargs) & set(FLAT_KEYS))
+        if flat:
+            places = ", ".join(f"{k} is {FLAT_KEYS[k]}.{k}" for k in flat)
+            raise TypeError(f"EngineConfig takes sub-configs ({', '.join(ENGINE_SECTIONS)}); {places}: "
+                            "use EngineConfig.from_flat(...) to pass flat settings")
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        for name, cls in ENGINE_SECTIONS.items():
+            value = getattr(self, name)
+            if isinstance(value, Mapping):  # as dataclasses.asdict wrote it: EngineConfig(**asdict(config)) round-trips
+                object.__setattr__(self, name, cls(**value))
+            elif not isinstance(value, cls):
+                raise TypeError(f"EngineConfig.{name} must be a {cls.__name__}, got {type(value).__name__}")
+
+    @classmethod
+    def from_flat(cls, **settings: Any) -> EngineConfig:
+        """The defaults with flat settings applied: `EngineConfig.from_flat(model="demo", max_num_seqs=4)`."""
+        return cls().replace_flat(**settings)
+
+    def replace_flat(self, **settings: Any) -> EngineConfig:
+        """A copy with flat settings (`compile="off"`, `block_size=32`, ...) changed in their sections."""
+        unknown = sorted(set(settings) - set(FLAT_KEYS))
+        if unknown:
+            raise TypeError(f"unknown EngineConfig settings {unknown}; valid: {sorted(FLAT_KEYS)}")
+        changes: dict[str, dict[str, Any]] = {}
+        for key, value in settings.items():
+            changes.setdefault(FLAT_KEYS[key], {})[key] = value
+        return dataclasses.replace(
+            self, **{name: dataclasses.replace(getattr(self, name), **values) for name, values in changes.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting under its flat name (the inverse of from_flat)."""
+        return {k: v for name in ENGINE_SECTIONS for k, v in dataclasses.asdict(getattr(self, name)).items()}
+
+
+ENGINE_SECTIONS: dict[str, type] = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                                    "compilation": CompileConfig, "parallel": ParallelConfig}
+# flat setting name -> the EngineConfig section that holds it (under the same name)
+FLAT_KEYS: dict[str, str] = {f.name: name for name, cls in ENGINE_SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -81,17 +163,54 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
+def _place(key: str) -> str | None:
+    """The table a setting belongs in: [engine.scheduler] for max_num_seqs, [server] for port."""
+    if key in FLAT_KEYS:
+        return f"[engine.{FLAT_KEYS[key]}]"
+    return "[server]" if key in {f.name for f in dataclasses.fields(ServerConfig)} else None
+
+
+def _unknown(keys: list[str], table: str, valid: list[str], source: str) -> ValueError:
+    placed = [f"{k} belongs in {_place(k)}" for k in keys if _place(k) not in (None, table)]
+    where = f" ({'; '.join(placed)})" if placed else ""
+    return ValueError(f"{source}: unknown keys {keys} in {table}{where}; valid keys are {valid}")
+
+
 def _build(cls: type, values: dict[str, Any], source: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{source}: unknown keys {unknown}; valid keys are {sorted(known)}")
+        raise _unknown(unknown, "[server]", sorted(known), source)
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**values)
 
 
+def _build_engine(values: dict[str, Any], overrides: dict[str, Any], source: str) -> EngineConfig:
+    """[engine] as flat keys (`max_num_seqs = 4`), as tables ([engine.scheduler] `max_num_seqs = 4`), or both;
+    flat overrides (CLI flags) win."""
+    flat = {k: v for k, v in values.items() if k not in ENGINE_SECTIONS}
+    unknown = sorted(set(flat) - set(FLAT_KEYS))
+    if unknown:
+        raise _unknown(unknown, "[engine]", [*sorted(FLAT_KEYS), *(f"[engine.{n}]" for n in ENGINE_SECTIONS)], source)
+    for name in ENGINE_SECTIONS:
+        table = values.get(name, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{source}: [engine] {name} is a table ([engine.{name}]), not a value")
+        keys = sorted(f.name for f in dataclasses.fields(ENGINE_SECTIONS[name]))
+        unknown = sorted(set(table) - set(keys))
+        if unknown:
+            raise _unknown(unknown, f"[engine.{name}]", keys, source)
+        twice = sorted(set(table) & set(flat))
+        if twice:
+            raise ValueError(f"{source}: {twice} given twice, in [engine] and in [engine.{name}]")
+        flat.update(table)
+    flat.update(overrides)
+    return EngineConfig.from_flat(**flat)
+
+
 def load_config(path: str | Path | None = None, **overrides: dict[str, Any]) -> Config:
-    """Read a TOML file with [engine] and [server] tables, then apply overrides (None values are skipped)."""
+    """Read a TOML file with [engine] and [server] tables (the engine's settings flat in [engine] or in its
+    sub-tables [engine.load], [engine.cache], ...), then apply overrides (None values are skipped)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -105,10 +224,16 @@ def load_config(path: str | Path | None = None, **overrides: dict[str, Any]) -> 
     sections = {"engine": EngineConfig, "server": ServerConfig}
     unknown = sorted(set(data) - set(sections))
     if unknown:
-        raise ValueError(f"{source}: unknown sections {unknown}; use [engine] and [server]")
+        nested = [f"[{n}] is [engine.{n}]" for n in unknown if n in ENGINE_SECTIONS]
+        hint = f" ({'; '.join(nested)})" if nested else ""
+        raise ValueError(f"{source}: unknown sections {unknown}{hint}; use [engine] and [server]")
     built = {}
     for name, cls in sections.items():
         values = dict(data.get(name, {}))
-        values.update({k: v for k, v in overrides.get(name, {}).items() if v is not None})
-        built[name] = _build(cls, values, source)
+        given = {k: v for k, v in overrides.get(name, {}).items() if v is not None}
+        if cls is EngineConfig:
+            built[name] = _build_engine(values, given, source)
+        else:
+            values.update(given)
+            built[name] = _build(cls, values, source)
     return Config(**built)

@@ -89,7 +89,7 @@ def run_server(
     grace_s = shutdown_grace_s
     if grace_s is None:
         grace_s = getattr(config.server, "shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S)
-    app = create_app(None, config.server, model_name=config.engine.model)
+    app = create_app(None, config.server, model_name=config.engine.load.model)
     state = serving_state(app)
     failures: list[BaseException] = []
 

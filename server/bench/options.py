@@ -49,7 +49,7 @@ class BenchOptions:
     device: str = "auto"
     dtype: str = "auto"
     quantize: tuple[str, ...] = ("none",)  # each measured in turn, side by side with one peer
-    graphs: tuple[bool | None, ...] = (None,)  # EngineConfig.cuda_graphs of each measured mode; None: the config's
+    graphs: tuple[bool | None, ...] = (None,)  # EngineConfig.compilation.cuda_graphs of each measured mode; None: the config's
     json_path: str | None = None
     compare: str | None = None  # None | "transformers"
     peer_experts: str = "keep-grouped"  # keep-grouped | transformers-default | best

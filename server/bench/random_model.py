@@ -62,9 +62,9 @@ def build_random_model(
 def load_random(hf_config: dict[str, Any], seed: int, max_model_len: int, config, layout: Layout):
     """A parallel engine's loader (server.engine.distributed.BuildSpec) of a preset: this rank's part of the
     random model -> (model, no tokenizer, device, dtype, max_model_len)."""
-    device, _ = device_mod.select_device(config.device)
-    dtype = device_mod.select_dtype(config.dtype, device, None)
-    return build_random_model(hf_config, device, dtype, seed, config.quantization, layout), None, device, dtype, \
+    device, _ = device_mod.select_device(config.load.device)
+    dtype = device_mod.select_dtype(config.load.dtype, device, None)
+    return build_random_model(hf_config, device, dtype, seed, config.load.quantization, layout), None, device, dtype, \
         max_model_len
 
 

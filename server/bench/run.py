@@ -25,7 +25,7 @@ from server.bench.options import (
     BenchOptions,
 )
 from server.bench.presets import Target, load_preset, with_num_layers
-from server.config import EngineConfig, load_config
+from server.config import FLAT_KEYS, EngineConfig, load_config
 from server.engine import device as device_mod
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
     weights = measure.weight_bytes(engine.model)
     info = {
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
-        "engine_config": {k: v for k, v in dataclasses.asdict(engine.config).items() if k != "model"},
+        "engine_config": {k: v for k, v in engine.config.flat().items() if k != "model"},
         "compile_prefill": engine.steps.compile_prefill,  # the config's None resolved for this device and model
         "decode_attention": _decode_attention(engine),  # which attention each decode graph runs
         "cuda_graphs": engine.runner.decode_graphs is not None and engine.runner.decode_graphs.use_graphs,
@@ -215,11 +215,11 @@ def _build_engine(opts, target: Target, config: EngineConfig, device, dtype, max
         return Engine.from_config(config)
     from server.bench.random_model import build_random_model, load_random
 
-    if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+    if config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
         from server.engine.distributed import start_engine
 
         return Engine(*start_engine(config, functools.partial(load_random, target.hf_config, opts.seed, max_len)))
-    model = build_random_model(target.hf_config, device, dtype, opts.seed, config.quantization)
+    model = build_random_model(target.hf_config, device, dtype, opts.seed, config.load.quantization)
     return Engine.from_model(model, config, device, max_model_len=max_len)
 
 
@@ -229,11 +229,11 @@ def engine_config(opts, quantize: str, graphs: bool | None, target: Target, devi
     from server.engine.model_runner import KVCache
 
     base = load_config(opts.config_file).engine
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    names = set(FLAT_KEYS)
     unknown = sorted(set(opts.engine_options) - names)
     if unknown:
         raise ValueError(f"--engine-option: unknown EngineConfig fields {unknown}; valid: {sorted(names)}")
-    block_size = opts.engine_options.get("block_size", base.block_size)
+    block_size = opts.engine_options.get("block_size", base.cache.block_size)
     max_len = -(-max_len // block_size) * block_size
     shapes = empty_model(target.hf_config, "meta", dtype).kv_cache_shapes()
     num_blocks = max_batch * (max_len // block_size) + 2
@@ -249,7 +249,7 @@ def engine_config(opts, quantize: str, graphs: bool | None, target: Target, devi
     settings.update(opts.engine_options)  # the user's --engine-option wins over the bench's own sizing
     if graphs is not None:
         settings["cuda_graphs"] = graphs
-    return dataclasses.replace(base, **settings)
+    return base.replace_flat(**settings)
 
 
 def random_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:

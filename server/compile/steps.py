@@ -84,10 +84,10 @@ class CompiledSteps:
         parts, config, model = self.parts, self.config, self.model
         vocab_size = model.args.vocab_size
         if compile_decode:
-            flex = use_flex_at_batch_1(self.device, self.dtype, config.block_size, parts.state_cache is None)
-            blocks_per_seq = -(-self.max_model_len // config.block_size)
-            graphs = DecodeGraphs(model, parts.kv_cache.layers, self.device, config.max_num_seqs, blocks_per_seq,
-                                  config.cuda_graphs if config.cuda_graphs is not None else True,
+            flex = use_flex_at_batch_1(self.device, self.dtype, config.cache.block_size, parts.state_cache is None)
+            blocks_per_seq = -(-self.max_model_len // config.cache.block_size)
+            graphs = DecodeGraphs(model, parts.kv_cache.layers, self.device, config.scheduler.max_num_seqs, blocks_per_seq,
+                                  config.compilation.cuda_graphs if config.compilation.cuda_graphs is not None else True,
                                   state_cache=parts.state_cache, flex_at_batch_1=flex)
             runner = CompiledRunner(model, parts.kv_cache, self.device, vocab_size, graphs, parts.state_cache)
         else:
@@ -180,7 +180,7 @@ class CompiledSteps:
         null_blocks = NullBlocks(parts.kv_manager.block_size, parts.kv_manager.num_usable_blocks, scratch)
         scheduler = Scheduler(parts.scheduler.config, null_blocks)
         runs = prefill_warm_up_runs(decode_through_prefill, parts.state_cache is not None, self.model.args.vocab_size,
-                                    self.config.max_num_batched_tokens, self.max_model_len)
+                                    self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         for prompts in runs:
             run_to_completion(scheduler, runner, prompts)
 

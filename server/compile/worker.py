@@ -93,7 +93,7 @@ class ChildBeforeLoad:
         from server.engine.build import plan_num_kv_blocks
 
         self.num_kv_blocks = plan_num_kv_blocks(model, self.config, device, dtype, max_model_len)
-        if compiles_decode(self.config, device) or self.config.compile_prefill:
+        if compiles_decode(self.config, device) or self.config.compilation.compile_prefill:
             spec = child_spec(model, self.config, device, dtype, max_model_len, self.num_kv_blocks)
             self.child = self._start(spec, None)
 
@@ -103,7 +103,7 @@ def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dty
     """What the child needs to build the twin of the engine these make, all of it part of its stages' cache
     key."""
     hf_config = getattr(model, "hf_config", None)
-    if hf_config is None or config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+    if hf_config is None or config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
         return None
     return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
@@ -133,7 +133,8 @@ def _engine_key(spec: dict, what) -> str:
     """A key of the engine `spec` describes and `what`; the KV memory settings are not in it: what they do to the
     graphs is the block count's, which is."""
     engine = {k: v for k, v in spec.items() if k not in ("stages", "save_steps")}
-    engine["config"] = {k: v for k, v in spec["config"].items() if not k.startswith("kv_cache_memory_")}
+    cache = {k: v for k, v in spec["config"]["cache"].items() if not k.startswith("kv_cache_memory_")}
+    engine["config"] = {**spec["config"], "cache": cache}
     return hashlib.sha256(json.dumps([engine, what], sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -15,7 +15,7 @@ from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
 from server.engine.kv_manager import KVManager
 from server.engine.model_runner import KVCache, ModelRunner
-from server.engine.scheduler import Scheduler, SchedulerConfig
+from server.engine.scheduler import Scheduler
 from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
@@ -37,33 +37,33 @@ class EngineParts:
 def load_pretrained(config: EngineConfig, layout: Layout | None = None,
                     on_materialized: Callable[[torch.nn.Module, torch.device, torch.dtype, int], None] | None = None,
                     ) -> tuple[torch.nn.Module, Tokenizer, torch.device, torch.dtype, int]:
-    """-> (model, tokenizer, device, dtype, max_model_len) of `config.model` (the demo, a path or a Hub id);
+    """-> (model, tokenizer, device, dtype, max_model_len) of `config.load.model` (the demo, a path or a Hub id);
     under a parallel `layout`, this rank's part of the model. `on_materialized(model, device, dtype,
     max_model_len)` runs once the model's tensors hold their device memory, while its weights are still to load."""
-    if config.model == "demo":
+    if config.load.model == "demo":
         from server.engine.demo import ensure_demo_model
 
         model_dir = ensure_demo_model()
     else:
-        model_dir = resolve_model_path(config.model, config.revision)
-    device, reason = device_mod.select_device(config.device)
+        model_dir = resolve_model_path(config.load.model, config.load.revision)
+    device, reason = device_mod.select_device(config.load.device)
     hf_config = read_config(model_dir)
     checkpoint_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype")
-    dtype = device_mod.select_dtype(config.dtype, device, checkpoint_dtype)
-    log.info("loading %s on %s (%s) as %s", config.model, device, reason, dtype)
+    dtype = device_mod.select_dtype(config.load.dtype, device, checkpoint_dtype)
+    log.info("loading %s on %s (%s) as %s", config.load.model, device, reason, dtype)
     start = time.perf_counter()
     hook = None if on_materialized is None else (
         lambda model: on_materialized(model, device, dtype, serving_len(config, model)))
-    model, _ = load_model(model_dir, device, dtype, config.quantization, layout, hook)
+    model, _ = load_model(model_dir, device, dtype, config.load.quantization, layout, hook)
     tokenizer = Tokenizer.from_pretrained(model_dir)
-    log.info("weights loaded%s in %.1f s", " and quantized" if config.quantization else "", time.perf_counter() - start)
+    log.info("weights loaded%s in %.1f s", " and quantized" if config.load.quantization else "", time.perf_counter() - start)
     return model, tokenizer, device, dtype, serving_len(config, model)
 
 
 def serving_len(config: EngineConfig, model) -> int:
     """The longest sequence served: the configured length, at most the model's."""
     limit = int(getattr(model.args, "max_position_embeddings", None) or 4096)  # nested text_config resolved
-    return min(config.max_model_len or limit, limit)
+    return min(config.scheduler.max_model_len or limit, limit)
 
 
 def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
@@ -77,13 +77,15 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     if agree_num_blocks is not None:
         num_kv_blocks = agree_num_blocks(num_kv_blocks)
     state_cache, state_slots = state_pool(
-        state_specs(model), config.max_num_seqs, config.enable_prefix_caching, config.block_size, dtype, device
+        state_specs(model), config.scheduler.max_num_seqs, config.cache.enable_prefix_caching, config.cache.block_size,
+        dtype, device
     )
     # One more block than the budget's: block 0 is the scratch target of padded decode rows.
-    kv_cache = KVCache(model.kv_cache_shapes(), num_kv_blocks + 1, config.block_size, dtype, device)
-    allocator = BlockAllocator(num_kv_blocks + 1, config.block_size, config.enable_prefix_caching, num_reserved=1)
+    kv_cache = KVCache(model.kv_cache_shapes(), num_kv_blocks + 1, config.cache.block_size, dtype, device)
+    allocator = BlockAllocator(num_kv_blocks + 1, config.cache.block_size, config.cache.enable_prefix_caching,
+                               num_reserved=1)
     kv_manager = KVManager(allocator, state_slots)
-    limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
+    limits = replace(config.scheduler, max_model_len=max_model_len)
     scheduler = Scheduler(limits, kv_manager)
     runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache)
     return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner)
@@ -93,12 +95,12 @@ def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype:
                        max_model_len: int) -> int:
     """The paged KV's usable blocks for `model`, whose weights hold their device memory already (loaded or not);
     the hybrids' state pool, not yet allocated, draws from the same budget."""
-    state_bytes = state_pool_bytes(state_specs(model), config.max_num_seqs, config.enable_prefix_caching,
-                                   config.block_size, dtype)
+    state_bytes = state_pool_bytes(state_specs(model), config.scheduler.max_num_seqs,
+                                   config.cache.enable_prefix_caching, config.cache.block_size, dtype)
     budget = kv_budget_bytes(config, device, state_bytes)
     # at least 1: a pipeline stage without attention layers holds no KV, only the block count every rank shares
-    per_block = max(KVCache.bytes_per_block(model.kv_cache_shapes(), config.block_size, dtype), 1)
-    return num_kv_blocks(budget, per_block, config.block_size, max_model_len, config.max_num_seqs)
+    per_block = max(KVCache.bytes_per_block(model.kv_cache_shapes(), config.cache.block_size, dtype), 1)
+    return num_kv_blocks(budget, per_block, config.cache.block_size, max_model_len, config.scheduler.max_num_seqs)
 
 
 def state_specs(model):
@@ -109,9 +111,9 @@ def state_specs(model):
 def kv_budget_bytes(config: EngineConfig, device: torch.device, state_bytes: int) -> int:
     """The paged KV's bytes: as configured, else a share of free memory, which the hybrids' states (not yet
     allocated, `state_bytes`) also draw from."""
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
-    return int(device_mod.free_memory_bytes(device) * config.kv_cache_memory_fraction) - state_bytes
+    if config.cache.kv_cache_memory_bytes is not None:
+        return config.cache.kv_cache_memory_bytes
+    return int(device_mod.free_memory_bytes(device) * config.cache.kv_cache_memory_fraction) - state_bytes
 
 
 def num_kv_blocks(budget_bytes: int, bytes_per_block: int, block_size: int, max_model_len: int,

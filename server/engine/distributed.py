@@ -10,7 +10,7 @@ embedding reads on every rank.
 
 Two process groups. The default group (Gloo, on the host) carries builds and plans and waits as long as a
 server may stay idle. Each engine's forward group (NCCL on CUDA, Gloo elsewhere) carries the activations and
-times out after `EngineConfig.distributed_timeout_s`. A rank whose process ends closes its connections, so
+times out after `EngineConfig.parallel.distributed_timeout_s`. A rank whose process ends closes its connections, so
 the others fail their next collective at once; a hung rank is caught by the timeout. Either way a rank that
 loses another prints why and exits: the model is incomplete without it.
 """
@@ -24,7 +24,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -56,10 +56,10 @@ class ProcessInfo:
 
 def parallel_kind(config: EngineConfig) -> tuple[str, int] | None:
     """(TENSOR or PIPELINE, number of ranks) of the config; None for one process."""
-    if config.tensor_parallel > 1:
-        return TENSOR, config.tensor_parallel
-    if config.pipeline_parallel > 1:
-        return PIPELINE, config.pipeline_parallel
+    if config.parallel.tensor_parallel > 1:
+        return TENSOR, config.parallel.tensor_parallel
+    if config.parallel.pipeline_parallel > 1:
+        return PIPELINE, config.parallel.pipeline_parallel
     return None
 
 
@@ -147,17 +147,17 @@ def start_engine(config: EngineConfig, load: Loader = load_pretrained) -> RankEn
 def build_engine(spec: BuildSpec) -> RankEngine:
     """This rank's engine's arguments: its part of the model and its KV cache (as many blocks as every rank
     holds), run eagerly (the compiled decode step is one process's), led by rank 0 or following it."""
-    config = replace(spec.config, compile="off", compile_prefill=False)
+    config = spec.config.replace_flat(compile="off", compile_prefill=False)
     kind, size = parallel_kind(config)
-    device, _ = select_device(config.device)
+    device, _ = select_device(config.load.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    group = dist.new_group(backend=backend, timeout=timedelta(seconds=config.distributed_timeout_s))
+    group = dist.new_group(backend=backend, timeout=timedelta(seconds=config.parallel.distributed_timeout_s))
     layout = Layout(kind, dist.get_rank(), size, group)
     model, tokenizer, device, dtype, max_model_len = spec.load(config, layout)
     parts = build_parts(model, config, device, dtype, max_model_len, agree_num_blocks=_fewest_over_ranks)
     runner_cls = LeaderRunner if layout.rank == 0 else FollowerRunner
     parts.runner = runner_cls(layout, model, parts.kv_cache, device, model.args.vocab_size, parts.state_cache)
-    return model, tokenizer, config, device, dtype, max_model_len, config.model, parts
+    return model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts
 
 
 def _fewest_over_ranks(num_blocks: int) -> int:

@@ -68,34 +68,34 @@ class Engine:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model: str = "demo", device: str = "auto", dtype: str = "auto", quantization: str | None = None, **overrides: Any) -> Engine:
-        return cls.from_config(EngineConfig(model=model, device=device, dtype=dtype, quantization=quantization, **overrides))
+        return cls.from_config(EngineConfig.from_flat(model=model, device=device, dtype=dtype, quantization=quantization, **overrides))
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, device: torch.device, tokenizer: Tokenizer | None = None, max_model_len: int | None = None) -> Engine:
         """Serve an already-built model (benchmarks build random-weight models of real shapes on the device).
         Without a tokenizer, prompts must be token ids and outputs carry no text."""
         dtype = next(model.parameters()).dtype
-        limit = max_model_len or config.max_model_len or model.args.max_position_embeddings
+        limit = max_model_len or config.scheduler.max_model_len or model.args.max_position_embeddings
         parts = build_parts(model, config, device, dtype, limit)
         steps = build_steps(model, config, parts, device, dtype, limit)
-        return cls(model, tokenizer, config, device, dtype, limit, config.model, parts, steps)
+        return cls(model, tokenizer, config, device, dtype, limit, config.load.model, parts, steps)
 
     @classmethod
     def from_config(cls, config: EngineConfig, compile_beside_serving: bool = False) -> Engine:
         """`compile_beside_serving`: the caller calls `compile_in_background` next; its compile child starts as
         soon as the model's tensors exist, and compiles while the weights load."""
-        apply_cpu_threads(config.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
-        if config.tensor_parallel > 1 or config.pipeline_parallel > 1:
+        apply_cpu_threads(config.load.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
+        if config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
             from server.engine.distributed import start_engine  # torch.distributed: imported where it serves
 
             return cls(*start_engine(config))  # run eagerly: the compiled decode step is one process's
         early = child_before_load(config) if compile_beside_serving else None
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)
-        pooling = None if config.model == "demo" else read_pooling(resolve_model_path(config.model, config.revision))
+        pooling = None if config.load.model == "demo" else read_pooling(resolve_model_path(config.load.model, config.load.revision))
         parts = build_parts(model, config, device, dtype, max_model_len,
                             num_kv_blocks=early.num_kv_blocks if early else None)
         steps = build_steps(model, config, parts, device, dtype, max_model_len, early)
-        return cls(model, tokenizer, config, device, dtype, max_model_len, config.model, parts, steps, pooling)
+        return cls(model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts, steps, pooling)
 
     @property
     def runner(self) -> ModelRunner:

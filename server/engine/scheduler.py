@@ -13,17 +13,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from server.config import SchedulerConfig
 from server.engine.kv_manager import KVManager
 from server.engine.request import PLACEHOLDER, Request, RequestStatus
 from server.engine.state_slots import StateSlots
 from server.engine.types import FinishReason
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
 
 
 @dataclass

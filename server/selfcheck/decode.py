@@ -72,8 +72,8 @@ def check_compiled_vs_eager(device: torch.device, sizes: DecodeSizes) -> Check:
     params = SamplingParams(max_tokens=COMPILE_CHECK_TOKENS, temperature=0.0, ignore_eos=True)
     tokens = {}
     for mode in ("off", "on"):
-        config = EngineConfig(model=TINY_PRESET, device=device.type, dtype="float32", compile=mode, max_num_seqs=1,
-                              max_model_len=sizes.prompt_len + COMPILE_CHECK_TOKENS + 1)
+        config = EngineConfig.from_flat(model=TINY_PRESET, device=device.type, dtype="float32", compile=mode, max_num_seqs=1,
+                                        max_model_len=sizes.prompt_len + COMPILE_CHECK_TOKENS + 1)
         engine = Engine.from_model(model, config, device)
         try:
             if mode == "on":

@@ -26,7 +26,7 @@ def demo_server() -> Iterator[RunningServer]:
     from server.engine.async_engine import AsyncEngine
     from tests.api.harness import run_app
 
-    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
+    engine = AsyncEngine.from_config(EngineConfig.from_flat(model="demo", device="cpu"))
     with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:
         yield running
 

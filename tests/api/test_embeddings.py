@@ -62,7 +62,7 @@ def embedder(tmp_path_factory) -> Iterator[tuple[RunningServer, torch.nn.Module,
 
     path = tmp_path_factory.mktemp("qwen3_embedding")
     hf_model = _write_embedding_checkpoint(path)
-    config = EngineConfig(model=str(path), **ENGINE_KW)
+    config = EngineConfig.from_flat(model=str(path), **ENGINE_KW)
     engine = AsyncEngine.from_config(config)
     with run_app(create_app(engine, ServerConfig(served_model_name="embedder")), engine) as running:
         yield running, hf_model, path

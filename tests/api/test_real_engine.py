@@ -29,7 +29,7 @@ def real() -> Iterator[tuple[RunningServer, object]]:
     from server.engine.async_engine import AsyncEngine
     from server.engine.engine import Engine
 
-    config = EngineConfig(model="demo", device="cpu")
+    config = EngineConfig.from_flat(model="demo", device="cpu")
     engine = AsyncEngine.from_config(config)
     reference = Engine.from_config(config)
     with run_app(create_app(engine, ServerConfig(served_model_name="demo")), engine) as running:

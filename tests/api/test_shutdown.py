@@ -41,7 +41,7 @@ def factory():
     engine.shutdown = reporting_shutdown
     return engine
 
-config = Config(engine=EngineConfig(model="fake/model"), server=ServerConfig(port=port, log_level="warning"))
+config = Config(engine=EngineConfig.from_flat(model="fake/model"), server=ServerConfig(port=port, log_level="warning"))
 sys.exit(run_server(config, factory, shutdown_grace_s=grace))
 """
 

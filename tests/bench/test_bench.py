@@ -117,14 +117,15 @@ def test_graph_mode_options():
     assert parse("--graphs", "off,on,off").graphs == (False, True)
     config = run.engine_config(parse(), "none", False, run.resolve_target(parse()), torch.device("cpu"),
                                torch.float32, 2, 40)
-    assert config.cuda_graphs is False
+    assert config.compilation.cuda_graphs is False
 
 
 def _tiny_engine(num_layers: int) -> Engine:
     config = dict(presets.load_preset("tiny-moe").hf_config, num_hidden_layers=num_layers)
     cpu = torch.device("cpu")
     model = build_random_model(config, cpu, torch.float32, seed=0)
-    return Engine.from_model(model, EngineConfig(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20), cpu)
+    return Engine.from_model(model, EngineConfig.from_flat(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20),
+                             cpu)
 
 
 def _generate_kernels(engine: Engine, prompts: list[list[int]], num_new: int) -> int:
@@ -191,8 +192,8 @@ def test_transformers_gets_exactly_our_random_weights(which):
     last slot."""
     config = presets.load_preset("tiny-moe").hf_config if which == "tiny-moe" else _tiny_hybrid_config(which)
     ours = build_random_model(config, torch.device("cpu"), torch.float32, seed=3)
-    engine = Engine.from_model(ours, EngineConfig(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20,
-                                                  max_num_batched_tokens=16), torch.device("cpu"))
+    engine = Engine.from_model(ours, EngineConfig.from_flat(device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 20,
+                                                            max_num_batched_tokens=16), torch.device("cpu"))
     ids = torch.randint(0, config["vocab_size"], (37,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = engine.score(ids)
     hf = build_peer_from_preset(config, torch.device("cpu"), torch.float32, seed=3)

@@ -44,7 +44,7 @@ def compile_beside_serving(path, prompts, caplog, **engine_kw) -> tuple[list[lis
     """Start as `serve` does (the child starts before the weights load) and serve `prompts` while compiling, then
     after it -> (tokens meanwhile, tokens compiled, inductor's counts of the compile)."""
     counters.clear()
-    config = EngineConfig(model=str(path), **{**ENGINE_KW, **engine_kw}, compile="on")
+    config = EngineConfig.from_flat(model=str(path), **{**ENGINE_KW, **engine_kw}, compile="on")
     engine = Engine.from_config(config, compile_beside_serving=True)
     with caplog.at_level(logging.INFO):
         background = engine.compile_in_background()
@@ -212,7 +212,7 @@ def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it
 
     monkeypatch.setattr(server.compile.steps, "start_compile_child", start)
     kw = dict(ENGINE_KW, kv_cache_memory_bytes=100_000)  # a budget-limited count
-    engine = Engine.from_config(EngineConfig(model=str(path), **kw, compile="on"), compile_beside_serving=True)
+    engine = Engine.from_config(EngineConfig.from_flat(model=str(path), **kw, compile="on"), compile_beside_serving=True)
     (spec, stages, num_read), = started
     assert num_read == 0 and weights_read and stages is None
     assert spec["num_kv_blocks"] == engine.kv_cache.num_blocks - 1 == spec_of(engine)["num_kv_blocks"]
@@ -220,7 +220,7 @@ def test_serve_starts_the_child_before_the_weights_load_and_the_compile_takes_it
     assert isinstance(background._child, Child) and len(started) == 1
     assert background._child.wanted == [what for what, _ in background._stages]
     assert background.join(300) and engine.compile_state == "ready", background.error
-    Engine.from_config(EngineConfig(model=str(path), **kw, compile="off"), compile_beside_serving=True)
+    Engine.from_config(EngineConfig.from_flat(model=str(path), **kw, compile="off"), compile_beside_serving=True)
     assert len(started) == 1
 
 

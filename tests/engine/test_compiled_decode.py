@@ -190,7 +190,7 @@ def test_compile_prefill_default(device, decode_compiled, hybrid, quantization, 
     from server.compile.policy import wants_compiled_prefill
     from server.config import EngineConfig
 
-    config = EngineConfig(compile_prefill=setting, quantization=quantization)
+    config = EngineConfig.from_flat(compile_prefill=setting, quantization=quantization)
     assert wants_compiled_prefill(config, torch.device(device), decode_compiled, hybrid) is expected
 
 

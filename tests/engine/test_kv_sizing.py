@@ -46,5 +46,5 @@ def test_a_hybrids_state_pool_comes_out_of_the_kv_budget_it_was_planned_with(hyb
     expected = num_kv_blocks(budget - state_bytes, block_bytes, ENGINE_KW["block_size"], engine.max_model_len,
                              ENGINE_KW["max_num_seqs"])
     assert engine.kv_cache.num_blocks - 1 == expected < ENGINE_KW["max_num_seqs"] * engine.max_model_len // 4
-    config = EngineConfig(**kw)
+    config = EngineConfig.from_flat(**kw)
     assert plan_num_kv_blocks(engine.model, config, engine.device, torch.float32, engine.max_model_len) == expected

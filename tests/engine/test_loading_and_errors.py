@@ -71,6 +71,14 @@ def test_prompt_longer_than_context(llama):
     # A prompt that fits is capped at the limit instead of failing.
     out = engine.generate(random_ids(28, 1), SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert out.completion_tokens == 4 and out.finish_reason == "length"
+    # from_pretrained's flat overrides land in their sections; the scheduler holds its section, the length resolved
+    assert engine.config.scheduler.max_model_len == 32 and engine.config.cache.block_size == ENGINE_KW["block_size"]
+    assert engine.scheduler.config == engine.config.scheduler
+
+
+def test_from_pretrained_names_an_unknown_override(llama):
+    with pytest.raises(TypeError, match=r"unknown EngineConfig settings \['max_num_seq'\]"):
+        Engine.from_pretrained(str(llama[0]), max_num_seq=4)
 
 
 def test_unknown_model_path():

@@ -126,10 +126,13 @@ def test_the_store_is_keyed_on_what_shapes_the_graphs_and_not_on_the_kv_memory_s
     spec = compile_worker.child_spec(engine.model, engine.config, engine.device, engine.dtype, engine.max_model_len,
                                      engine.kv_cache.num_blocks - 1)
     path = SAVED_STEPS_DIR(spec)
-    config = dict(spec["config"], kv_cache_memory_bytes=spec["config"]["kv_cache_memory_bytes"] * 2)
+    cache = spec["config"]["cache"]
+    config = dict(spec["config"], cache=dict(cache, kv_cache_memory_bytes=cache["kv_cache_memory_bytes"] * 2,
+                                             kv_cache_memory_fraction=0.25))
     assert SAVED_STEPS_DIR(dict(spec, config=config, stages=["x"], save_steps=True)) == path
+    fewer_seqs = dict(spec["config"], scheduler=dict(spec["config"]["scheduler"], max_num_seqs=3))
     for changed in (dict(dtype="bfloat16"), dict(torch_version="0.0"), dict(num_kv_blocks=spec["num_kv_blocks"] + 1),
-                    dict(config=dict(spec["config"], max_num_seqs=3)), dict(device="cuda"), dict(source="other")):
+                    dict(config=fewer_seqs), dict(device="cuda"), dict(source="other")):
         other = dict(spec, **changed)
         if other["device"] == "cuda" and not torch.cuda.is_available():
             continue  # the device's name is part of the key

@@ -53,7 +53,7 @@ def test_a_failing_step_ends_only_its_requests(monkeypatch) -> None:
 def real() -> Iterator[RunningServer]:
     from server.engine.async_engine import AsyncEngine
 
-    engine = AsyncEngine.from_config(EngineConfig(model="demo", device="cpu"))
+    engine = AsyncEngine.from_config(EngineConfig.from_flat(model="demo", device="cpu"))
     with run_app(create_app(engine, ServerConfig()), engine) as running:
         yield running
 

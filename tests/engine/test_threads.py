@@ -46,4 +46,4 @@ def test_the_default_is_applied_and_nonsense_refused(restore_threads) -> None:
     torch.set_num_threads(threads.default_cpu_threads() + 1)
     assert threads.apply_cpu_threads(None) == threads.default_cpu_threads() == torch.get_num_threads()
     with pytest.raises(ValueError, match="cpu_threads"):
-        EngineConfig(cpu_threads=0)
+        EngineConfig.from_flat(cpu_threads=0)

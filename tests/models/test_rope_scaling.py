@@ -83,7 +83,7 @@ def past_max_position(tmp_path, scaling: str, **kw) -> tuple[Engine, torch.nn.Mo
     hf_model = build_tiny("llama", path, max_position_embeddings=ORIG_LEN,
                           rope_parameters=dict(ROPES[scaling], rope_theta=THETA))
     model, _ = load_model(path, torch.device("cpu"), torch.float32)
-    config = EngineConfig(**{**ENGINE_KW, "enable_prefix_caching": False, **kw})
+    config = EngineConfig.from_flat(**{**ENGINE_KW, "enable_prefix_caching": False, **kw})
     return Engine.from_model(model, config, torch.device("cpu"), max_model_len=4 * ORIG_LEN), hf_model
 
 

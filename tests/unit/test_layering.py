@@ -12,7 +12,7 @@ ORDER = ["api", "engine", "compile", "models", "kernels"]
 # loop: these engine modules may import server.compile; no other engine module may, and compile imports no loop.
 ENGINE_LOOP = {"engine/engine.py", "engine/async_engine.py"}
 # Torch-free modules: the scheduler and KV bookkeeping are tested without a device; the API never sees torch.
-TORCH_FREE = ["api", "engine/scheduler.py", "engine/kv_manager.py", "engine/block_allocator.py",
+TORCH_FREE = ["api", "config.py", "engine/scheduler.py", "engine/kv_manager.py", "engine/block_allocator.py",
               "engine/state_slots.py", "engine/request.py", "engine/types.py", "engine/protocol.py",
               "compile/background.py", "compile/child.py"]
 FORBIDDEN_IN_ENGINE = {"fastapi", "pydantic", "starlette", "uvicorn"}
