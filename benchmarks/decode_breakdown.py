@@ -15,7 +15,7 @@ one-sequence step, a listing's quick form)
 and classifies every GPU kernel by name (regexes below; inductor names kernels after the ops it fused, so a
 fused kernel lands in the first category whose pattern it matches; `top_kernels` lists the biggest by name).
 gaps = wall time per step - kernel time; under the profiler the host side is several times slower, so the wall
-time (and the gaps) are the profiler's, while kernel times are the device's own (docs/PERF.md).
+time (and the gaps) are the profiler's, while kernel times are the device's own (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Kernel benchmarks for server/kernels on a CUDA GPU (imports only torch and server.kernels).
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--json results.json] [--quick] [--no-compile]
+    PYTHONPATH=. python3 benchmarks/kernels.py [--json results.json] [--skip gemv,moe,sampling] [--tokens 1,4,64] \
+        [--no-compile]
 
 Prints: the capability table; copy bandwidth (the roofline, measured in the same run); bf16 GEMV and FP8 linear
 GB/s at LLM shapes; one Qwen3-30B-A3B MoE layer at 1, 4 and 64 tokens (--tokens), stage by stage in bf16 and FP8

@@ -174,7 +174,7 @@ def sse_client(url: str, prompts: list[list[int]], max_tokens: int, open_first: 
 
 
 def _http_implementation() -> str:
-    """What uvicorn's http="auto" runs on: httptools when importable, else the pure-Python h11 (session 8)."""
+    """What uvicorn's http="auto" runs on: httptools when importable, else the pure-Python h11."""
     import importlib.util
 
     return "httptools" if importlib.util.find_spec("httptools") else "h11"

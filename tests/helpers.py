@@ -1,12 +1,16 @@
 """Helpers shared by test modules: tiny random-weight checkpoints written by transformers' save_pretrained, the
-engine settings of the CPU parity tests, transformers' greedy reference, and random inputs.
+engine settings of the CPU parity tests, transformers' greedy reference, random inputs, and benchmarks/ scripts run
+as their users run them.
 The pytest fixtures that use them are in tests/conftest.py."""
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,8 @@ needs_cpu_scaled_mm = pytest.mark.skipif(compat.torch_version() < (2, 13),
                                          reason="torch < 2.13 has no row-wise scaled_mm on the CPU")
 needs_saved_compiles = pytest.mark.skipif(not saves_compiles(),
                                           reason=f"torch {torch.__version__} saves no compiled step (saves_compiles)")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Small chunks and blocks so prompts span several prefill chunks and KV blocks.
 ENGINE_KW = dict(device="cpu", dtype="float32", max_num_batched_tokens=16, block_size=4, max_num_seqs=8,
@@ -248,3 +254,13 @@ def write_blockwise_fp8_checkpoint(src: Path, path: Path, block: int) -> Path:
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block], "fmt": "e4m3"}
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+def run_benchmark(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """benchmarks/SCRIPT run as its users run it, `PYTHONPATH=. python3 benchmarks/SCRIPT ARGS` from the repository
+    root (the scripts are not a package the tests import); fails the test, with the script's output, unless it
+    exits 0."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{script} exited {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done

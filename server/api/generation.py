@@ -113,8 +113,7 @@ class Generation:
 
     def _arm_keepalive(self, keepalive_s: float) -> None:
         """One timer per generation, re-armed for when the stream will have been idle for keepalive_s: a timeout
-        set and cancelled around each token's read would add event-loop work to every token
-        (benchmarks/stream_path_cost.py measures that path)."""
+        set and cancelled around each token's read would add event-loop work to every token."""
         loop = asyncio.get_running_loop()
         idle_s = time.monotonic() - self._last_arrival
         if idle_s >= keepalive_s:

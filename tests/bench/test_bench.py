@@ -6,10 +6,8 @@ independent counts.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
-import os
 import random
 
 import pytest
@@ -323,64 +321,6 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
         presets.load_preset(str(bad))
 
 
-@pytest.fixture
-def unfreeze_gc():
-    """The SSE scripts freeze start-up objects for the GC, as serve does; in the test process, undo it after."""
-    yield
-    gc.unfreeze()
-
-
-def test_sse_arrivals_script_times_every_request(capsys, unfreeze_gc):
-    """benchmarks/sse_arrivals.py on the CPU: each stream sent, submitted, admitted and answered once, and the
-    step timelines of the SSE run and of the one-call reference cover the same tokens."""
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    import benchmarks.sse_arrivals as module
-
-    argv = ["--device", "cpu", "--streams", "3", "--max-tokens", "2", "--prompt-len", "8", "--reps", "1", "--open-connections"]
-    assert module.main(argv) == 0
-    records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    assert [r["run"] for r in records] == ["engine.generate", "sse"]
-    reference, sse = records
-    for key in ("sent_ms", "submit_ms", "add_ms", "first_chunk_ms"):
-        assert len(sse[key]) == 3 and all(t >= 0 for t in sse[key]), key
-    assert sse["sent_ms"][0] == 0 and min(sse["add_ms"]) >= min(sse["submit_ms"])
-    for record in records:  # 3 prompts of 8 tokens, then one decode token each: 27 tokens scheduled in all
-        assert sum(tokens for _, _, _, tokens, _ in record["steps"]) == 3 * 8 + 3
-        assert record["num_steps"] == len(record["steps"]) and record["end_ms"] > record["steps"][-1][0]
-        slowest = record["slowest_steps"]  # [index, *step], in step order, the longest durations
-        assert 0 < len(slowest) <= 5 and all(record["steps"][i] == step for i, *step in slowest)
-        durations = sorted(duration for _, duration, *_ in record["steps"])
-        assert sorted(duration for _, _, duration, *_ in slowest) == durations[-len(slowest):]
-    assert sse["gc_frozen_objects"] > 10_000  # start-up frozen for the GC after the warm-up, as serve does
-
-
-@pytest.mark.parametrize("open_connections, client_processes", [(False, 1), (True, 1), (True, 3)])
-def test_sse_delivery_script_streams_the_engine_text(tmp_path, open_connections, client_processes, unfreeze_gc):
-    """benchmarks/sse_delivery.py end to end on the CPU: every stream gets all its tokens and the engine's text
-    (in its own prompt's place), with connections opened inside the timed run or before it, from one client
-    process or one per stream sending together."""
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    import benchmarks.sse_delivery as module  # a package import, so the client process can import it too
-    out = tmp_path / "sse.jsonl"
-    argv = ["--preset", "tiny-moe", "--device", "cpu", "--streams", "1,3", "--max-tokens", "6", "--prompt-len", "8",
-            "--reps", "1", "--json", str(out), "--client-processes", str(client_processes)]
-    argv += ["--open-connections"] if open_connections else []
-    assert module.main(argv) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["streams"] for r in records] == [1, 3]
-    for r in records:
-        assert r["open_connections"] is open_connections and r["client_processes"] == client_processes
-        assert r["http"] == "httptools"  # a dependency since session 8: uvicorn runs on it, not on h11
-        assert r["client_late_ms"] == 0.0 if client_processes == 1 else r["client_late_ms"] < 50
-        assert r["all_tokens_delivered"] and r["text_matches_engine"]
-        assert r["chunks_per_stream"] == 6  # one text chunk per token: the word tokenizer never holds text back
-        rates = ("engine_tok_s", "async_tok_s", "sse_tok_s", "engine_steady_tok_s", "sse_steady_tok_s")
-        assert all(math.isfinite(r[k]) for k in rates) and r["engine_tok_s"] > 0 and r["sse_tok_s"] > 0
-        assert r["sse_steady_vs_engine"] == pytest.approx(r["sse_steady_tok_s"] / r["engine_steady_tok_s"])
-
-
 BLOCK_SERVER_DEPS = """
 import sys
 BLOCKED = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "openai", "starlette", "server.api")
@@ -406,77 +346,3 @@ def test_bench_runs_without_the_server_dependencies(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads(out.read_text())
     assert record["peer_sample_token_ids"] == record["sample_token_ids"]
-
-
-def test_fp8_reduction_forms_script_matches_the_fp8_reference(capsys):
-    """benchmarks/fp8_reduction_forms.py on the CPU, small widths: every FP8 weight-only form it times (the engine's
-    experts, its bf16-converted and transposed-weight variants, the engine's followed by the residual add and norm,
-    the lm_head reduction) computes what the dequantized float32 reference does, so its timings compare equal
-    work."""
-    import benchmarks.fp8_reduction_forms as module
-
-    argv = ["--device", "cpu", "--layers", "2", "--experts", "8", "--hidden", "64", "--inter", "32", "--top-k", "3",
-            "--vocab", "96", "--reps", "1"]
-    assert module.main(argv) == 0
-    rows = {line.split(" us  ideal ")[0].rsplit(None, 1)[0]: line
-            for line in capsys.readouterr().out.splitlines() if " us  ideal " in line}
-    checked = [name for name in rows if "fp8" in name and "gate/up" not in name and "scaled_mm" not in name]
-    # experts: fp8, down transposed, both transposed, +add&norm (each +cdt), via bf16; lm_head weight-only (+cdt)
-    assert len(checked) == 11, sorted(rows)
-    for name in checked:
-        assert float(rows[name].rsplit("max err ", 1)[1]) < 1e-5, rows[name]
-
-
-def test_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restores(monkeypatch, tmp_path):
-    """benchmarks/decode_forms.py: each form's bench runs with its replacement in place and a compile cache of its
-    own (a saved step of another form has the same key), and the engine's functions and cache come back;
-    --quantize overrides every form's modes."""
-    import benchmarks.decode_forms as module
-    from server.kernels import fp8
-    from server.models import layers
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_choice, engine_store, seen = fp8.use_weight_only, layers.stored, []
-
-    def bench(argv):
-        seen.append((argv[-2:], fp8.use_weight_only, layers.stored, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
-        assert "--num-layers" in argv
-        return 0
-
-    monkeypatch.setattr(module.cli, "main", bench)
-    forms = "engine,scaled-mm,ffn-input-inlined"
-    assert module.main(["--preset", "tiny-moe", "--forms", forms, "--", "--num-layers", "2"]) == 0
-    assert seen == [
-        (["--quantize", "none,fp8"], engine_choice, engine_store, str(tmp_path)),
-        (["--quantize", "fp8"], module.scaled_mm_at_one_token, engine_store, str(tmp_path / "form-scaled-mm")),
-        (["--quantize", "none,fp8"], engine_choice, module.inlined, str(tmp_path / "form-ffn-input-inlined")),
-    ]
-    assert (fp8.use_weight_only, layers.stored) == (engine_choice, engine_store)
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
-    seen.clear()
-    argv = ["--forms", "engine,ffn-input-inlined", "--quantize", "none", "--", "--num-layers", "2"]
-    assert module.main(argv) == 0
-    assert [quantize for quantize, *_ in seen] == [["--quantize", "none"]] * 2
-    seen.clear()
-    assert module.main(["--forms", "scaled-mm+ffn-input-inlined", "--", "--num-layers", "2"]) == 0
-    assert seen == [(["--quantize", "fp8"], module.scaled_mm_at_one_token, module.inlined,
-                     str(tmp_path / "form-scaled-mm+ffn-input-inlined"))]
-    for forms in ("engine,fastest", "scaled-mm+fastest"):
-        with pytest.raises(SystemExit):
-            module.main(["--forms", forms])
-
-
-def test_decode_forms_moe_forms_compute_the_engine_function():
-    """The bf16 MoE forms of benchmarks/decode_forms.py, compiled on the CPU at one token, give the twin's
-    outputs: a form that measured faster by being wrong would decide nothing."""
-    import benchmarks.decode_forms as module
-    from server.kernels import moe
-
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
-    weights, expert_ids = moe.route_softmax(torch.randn(1, 16, generator=gen) * 3, 4, True, False)
-    x, gate_up, down = (torch.randn(*shape, generator=gen) for shape in ((1, 32), (16, 48, 32), (16, 32, 24)))
-    expected = moe.moe_experts_reference(x, weights, expert_ids, gate_up, down)
-    for form in (module.gather_reduce_per_slot, module.gather_reduce_weights_in_swiglu):
-        torch._dynamo.reset()
-        got = torch.compile(form, fullgraph=True)(x, weights, expert_ids, gate_up, down)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
