@@ -1,4 +1,4 @@
-"""The serving side of the compile in a child process (compile_worker has the child's side).
+"""The serving side of the compile in a child process (compile.twin has the child's side).
 
 A compile holds the GIL for long stretches of Python, so beside serving in one process it slows every step served
 meanwhile (the eager path to a tenth of its rate). The child builds the engine's twin on fake tensors, runs the

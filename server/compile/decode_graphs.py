@@ -103,7 +103,7 @@ DYNAMIC_DIMS = {0: (0, 1)}  # the packed rows [B_pad, num_fixed + blocks_pad]
 @dataclass(eq=False)
 class DecodeStep:
     """The decode step's code and what it reads besides its inputs: plain data, which a saved compile of the step
-    names in its guards (saved_compile)."""
+    names in its guards (compile.saved)."""
 
     model: torch.nn.Module
     kv_layers: list[torch.Tensor]

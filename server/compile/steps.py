@@ -51,7 +51,7 @@ def build_steps(model, config: EngineConfig, parts: EngineParts, device: torch.d
                 max_model_len: int, early: ChildBeforeLoad | None = None, serving: bool = True) -> Steps:
     """The engine's steps: EagerSteps where nothing compiles, else CompiledSteps. `early`: the compile child
     started while the weights loaded; `serving`: the compiled decode step is saved whole as it is traced, and
-    loaded from there at a restart (saved_compile: no trace at a warm start)."""
+    loaded from there at a restart (compile.saved: no trace at a warm start)."""
     decode = compiles_decode(config, device)
     prefill = wants_compiled_prefill(config, device, decode, parts.state_cache is not None)
     if not decode and not prefill:

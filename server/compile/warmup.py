@@ -13,7 +13,7 @@ WARM_UP_PARAMS = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True) 
 
 Stage = tuple[str, Callable[[], None]]  # (what it compiles, run it)
 PREFILL_STAGE = "prefill"
-# Stages that read sampled ids back to the host (prefill runs whole requests): not on fake tensors (compile_worker).
+# Stages that read sampled ids back to the host (prefill runs whole requests): not on fake tensors (compile.twin).
 HOST_READING_STAGES = frozenset({PREFILL_STAGE})
 
 

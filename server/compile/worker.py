@@ -120,7 +120,7 @@ def source_fingerprint() -> str:
 
 
 def saved_steps_dir(spec: dict) -> Path:
-    """Where the compiled steps of the engine `spec` describes are saved whole (saved_compile), keyed as the
+    """Where the compiled steps of the engine `spec` describes are saved whole (compile.saved), keyed as the
     child's markers are and on the device's name too: dynamo's guards do not check which GPU it is."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 

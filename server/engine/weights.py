@@ -288,7 +288,7 @@ def empty_model(
     for sub in model.modules():
         if hasattr(sub, "reset_buffers"):
             sub.reset_buffers()
-    if layout is None:  # what a compile child builds the model's twin from (compile_worker)
+    if layout is None:  # what a compile child builds the model's twin from (compile.twin)
         model.hf_config = hf_config
     return model.eval()
 
