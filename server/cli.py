@@ -32,9 +32,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
                         help="weight and activation dtype; auto: the checkpoint's on an accelerator, float32 on the "
                              f"cpu (default: {ENGINE_DEFAULTS.load.dtype})")
-    parser.add_argument("--quantize", choices=["none", "fp8"], default=None,
-                        help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16 "
-                             "(default: none)")
+    parser.add_argument("--quantize", choices=["none", "fp8", "int8", "int4"], default=None,
+                        help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16; "
+                             "int4 / int8: MLX's affine format (groups of 64), quantized at load; an MLX checkpoint "
+                             "loads as it is stored (default: none)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
