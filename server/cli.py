@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--compile-probes", action="store_true",
                       help="also compile and check the compiled-only paths (flex decode attention); takes seconds "
                            "to a minute (default: off)")
+    from server.quantize_cli import add_quantize_parser  # argparse only; quantizing loads lazily
+
+    add_quantize_parser(sub, common)
     return parser
 
 
@@ -276,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     # inputs of a graph, such as the SDPA backend flags that paged_attention.prefill_sdpa_backends sets.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.quantize_cli import cmd_quantize
+
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench,
-                "selfcheck": cmd_selfcheck}
+                "selfcheck": cmd_selfcheck, "quantize": cmd_quantize}
     try:
         num_ranks = max(getattr(args, "tensor_parallel", None) or 1, getattr(args, "pipeline_parallel", None) or 1)
         if num_ranks > 1:

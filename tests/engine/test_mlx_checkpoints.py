@@ -17,6 +17,7 @@ from server.engine.mlx_checkpoint import AffineLoader, mlx_to_hf
 from server.engine.types import ModelLoadError
 from server.kernels import affine
 from server.models.affine_quant import AffineEmbedding, AffineFusedExperts, AffineLinear, AffineTiedHead
+from server.quantize_cli import mlx_config
 from tests.helpers import ENGINE_KW, build_tiny, random_ids
 
 mx = pytest.importorskip("mlx.core")
@@ -32,14 +33,7 @@ def mlx_ready_copy(src, dst):
     """A copy of an HF checkpoint with the keys mlx-lm 0.32 needs spelled out (rope_theta, rope_scaling,
     num_experts): transformers 5 writes rope_parameters and num_local_experts."""
     shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    rope = config.get("rope_parameters") or {}
-    config.setdefault("rope_theta", rope.get("rope_theta"))
-    if rope.get("rope_type") not in (None, "default"):
-        config["rope_scaling"] = rope
-    if "num_local_experts" in config:
-        config.setdefault("num_experts", config["num_local_experts"])
-    (dst / "config.json").write_text(json.dumps(config))
+    (dst / "config.json").write_text(json.dumps(mlx_config(json.loads((dst / "config.json").read_text()))))
     return dst
 
 
@@ -185,3 +179,26 @@ def test_reduction_form_equals_the_reference_form(converted):
     assert rel(engine.score(ids), reference) < 1e-5
     with pytest.raises(ValueError, match="form"):
         set_form(engine.model, "fast")
+
+
+@pytest.mark.parametrize("arch,bits,group_size", [("llama", 4, 64), ("qwen3", 8, 32), ("qwen3_moe", 4, 64)])
+def test_quantize_command_writes_what_mlx_lm_convert_writes(arch, bits, group_size, source, converted, tmp_path):
+    """`mps-serve quantize` writes the tensors mlx_lm.convert -q writes (bit for bit, same names), and mlx-lm loads
+    the result with the logits we compute from it."""
+    from safetensors.torch import load_file
+
+    from server.cli import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(source(arch)), str(out), "--bits", str(bits), "--group-size", str(group_size)]) == 0
+    ours = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    theirs = {k: v for f in converted(arch, bits, group_size).glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+    config = json.loads((out / "config.json").read_text())
+    mlx_config = json.loads((converted(arch, bits, group_size) / "config.json").read_text())
+    assert config["quantization"] == mlx_config["quantization"] == config["quantization_config"]
+    ids = random_ids(20, 11)
+    theirs_logits = mlx_logits(out, ids)
+    assert rel(Engine.from_pretrained(str(out), **ENGINE_KW).score(ids), theirs_logits) < LOGITS_REL_F32
