@@ -288,14 +288,18 @@ def empty_model(
             apply_layout(model, layout)
         model = model.to(dtype)
     num_params = sum(p.numel() for p in model.parameters())
-    bytes_per_param = {"fp8": 1, "int8": 1.125, "int4": 0.625}.get(quantization, dtype.itemsize)
-    _refuse_past_memory(int(num_params * bytes_per_param), device, "the model's weights")
+    affine = quantization in AFFINE_QUANTIZATIONS or affine_spec is not None  # int4 / int8 / an MLX checkpoint
+    if not affine:
+        _refuse_past_memory(num_params * (1 if quantization == "fp8" else dtype.itemsize), device,
+                            "the model's weights")
     if quantization == "fp8":
         swap_to_fp8(model, dtype)
-    elif quantization in AFFINE_QUANTIZATIONS or affine_spec is not None:  # int4 / int8 / an MLX checkpoint
+    elif affine:
         if layout is not None:
             raise ValueError("affine-quantized (int4 / int8, MLX) models are not split over processes yet")
         swap_to_affine(model, dtype, (affine_spec or recipe_spec(AFFINE_QUANTIZATIONS[quantization]))(model))
+        packed_bytes = sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
+        _refuse_past_memory(packed_bytes, device, "the model's quantized weights")
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; use fp8, int8 or int4")
     model = model.to_empty(device=device)

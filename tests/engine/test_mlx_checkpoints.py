@@ -202,3 +202,20 @@ def test_quantize_command_writes_what_mlx_lm_convert_writes(arch, bits, group_si
     ids = random_ids(20, 11)
     theirs_logits = mlx_logits(out, ids)
     assert rel(Engine.from_pretrained(str(out), **ENGINE_KW).score(ids), theirs_logits) < LOGITS_REL_F32
+
+
+def test_memory_check_counts_packed_bytes_and_embeddings_run(converted, monkeypatch):
+    """A 4-bit checkpoint is refused only past its packed size (not its bf16 size), and the embeddings path (which
+    sizes its scratch KV from the embedding's dtype) runs on a quantized table."""
+    import server.engine.weights as weights
+    from server.engine.embeddings import hidden_states
+
+    path = converted("llama", 4, 64)
+    packed = Engine.from_pretrained(str(path), **ENGINE_KW).weight_bytes
+    monkeypatch.setattr(weights, "memory_bytes", lambda device: int(packed * 1.5))  # far below the float32 size
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW)
+    hidden = hidden_states(engine.model, random_ids(6, 1), torch.device("cpu"))
+    assert hidden.shape == (6, 64) and hidden.dtype == torch.float32
+    monkeypatch.setattr(weights, "memory_bytes", lambda device: packed // 2)
+    with pytest.raises(ModelLoadError, match="refused before allocating"):
+        Engine.from_pretrained(str(path), **ENGINE_KW)
