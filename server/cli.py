@@ -32,9 +32,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
                         help="weight and activation dtype; auto: the checkpoint's on an accelerator, float32 on the "
                              f"cpu (default: {ENGINE_DEFAULTS.load.dtype})")
-    parser.add_argument("--quantize", choices=["none", "fp8"], default=None,
-                        help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16 "
-                             "(default: none)")
+    parser.add_argument("--quantize", choices=["none", "fp8", "int8", "int4"], default=None,
+                        help="fp8: every linear and expert weight stored in FP8, about half the bytes of bf16; "
+                             "int4 / int8: MLX's affine format (groups of 64), quantized at load; an MLX checkpoint "
+                             "loads as it is stored (default: none)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + completion in tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-num-seqs", type=int, default=None,
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--compile-probes", action="store_true",
                       help="also compile and check the compiled-only paths (flex decode attention); takes seconds "
                            "to a minute (default: off)")
+    from server.quantize_cli import add_quantize_parser  # argparse only; quantizing loads lazily
+
+    add_quantize_parser(sub, common)
     return parser
 
 
@@ -275,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     # inputs of a graph, such as the SDPA backend flags that paged_attention.prefill_sdpa_backends sets.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "mps-serve" / "inductor-3"))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from server.quantize_cli import cmd_quantize
+
     handlers = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info, "bench": cmd_bench,
-                "selfcheck": cmd_selfcheck}
+                "selfcheck": cmd_selfcheck, "quantize": cmd_quantize}
     try:
         num_ranks = max(getattr(args, "tensor_parallel", None) or 1, getattr(args, "pipeline_parallel", None) or 1)
         if num_ranks > 1:

@@ -18,14 +18,14 @@ class LoadConfig:
     revision: str | None = None
     device: str = "auto"  # auto | mps | cuda | cpu
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    quantization: str | None = None  # None | "fp8"
+    quantization: str | None = None  # None | "fp8" | "int8" | "int4"
     cpu_threads: int | None = None  # torch's intra-op threads; None: half the cores, at most 8 (engine/threads.py)
 
     def __post_init__(self) -> None:
         if self.quantization in ("none", ""):  # one spelling for "no quantization" from here on
             object.__setattr__(self, "quantization", None)
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use none or fp8")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use none, fp8, int8 or int4")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
 

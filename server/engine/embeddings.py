@@ -71,7 +71,8 @@ def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.de
         query_index=positions[None], query_positions=positions[None], token_rows=zeros, token_cols=positions,
         fresh_prefill=True,
     )
-    dtype = model.model.embed_tokens.weight.dtype
+    embed = model.model.embed_tokens
+    dtype = getattr(embed, "scales", embed.weight).dtype  # an affine-quantized table's weight is packed uint32
     scratch: dict[tuple[int, int], torch.Tensor] = {}
     caches = [
         scratch.setdefault(shape, torch.empty(1, num_tokens, 2, *shape, dtype=dtype, device=device))

@@ -19,8 +19,17 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from server.engine.mlx_checkpoint import (
+    AFFINE_QUANTIZATIONS,
+    AffineLoader,
+    checkpoint_spec,
+    iter_mlx_checkpoint,
+    mlx_quantization,
+    recipe_spec,
+)
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
+from server.models.affine_quant import QuantSpec, affine_modules, swap_to_affine
 from server.models.parallel import Layout, apply_layout, locate
 from server.models.quant import swap_to_fp8
 from server.models.registry import get_model_module
@@ -263,12 +272,13 @@ def _join(*parts: str) -> str:
 
 def empty_model(
     hf_config: dict[str, Any], device: torch.device | str, dtype: torch.dtype, quantization: str | None = None,
-    layout: Layout | None = None,
+    layout: Layout | None = None, affine_spec: Callable[[nn.Module], QuantSpec] | None = None,
 ) -> nn.Module:
     """Our model of this config.json, built on the meta device (cut to this rank's part under a parallel
     `layout`; its linears and experts swapped for their FP8 forms when `quantization="fp8"`) and materialized
     uninitialized on `device`, computed buffers (RoPE) reset: ready for its weights. Raises ValueError for an
-    unknown model_type or quantization, or a layout the model's shapes do not divide."""
+    unknown model_type or quantization, or a layout the model's shapes do not divide. `affine_spec`: which modules
+    hold affine-quantized weights, in which format (engine/mlx_checkpoint; int4 / int8 and MLX checkpoints)."""
     module = get_model_module(hf_config["model_type"])
     refuse_absurd_sizes(hf_config, device, dtype)
     args = module.ModelArgs.from_hf_config(hf_config)
@@ -278,11 +288,20 @@ def empty_model(
             apply_layout(model, layout)
         model = model.to(dtype)
     num_params = sum(p.numel() for p in model.parameters())
-    _refuse_past_memory(num_params * (1 if quantization == "fp8" else dtype.itemsize), device, "the model's weights")
+    affine = quantization in AFFINE_QUANTIZATIONS or affine_spec is not None  # int4 / int8 / an MLX checkpoint
+    if not affine:
+        _refuse_past_memory(num_params * (1 if quantization == "fp8" else dtype.itemsize), device,
+                            "the model's weights")
     if quantization == "fp8":
         swap_to_fp8(model, dtype)
+    elif affine:
+        if layout is not None:
+            raise ValueError("affine-quantized (int4 / int8, MLX) models are not split over processes yet")
+        swap_to_affine(model, dtype, (affine_spec or recipe_spec(AFFINE_QUANTIZATIONS[quantization]))(model))
+        packed_bytes = sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
+        _refuse_past_memory(packed_bytes, device, "the model's quantized weights")
     elif quantization is not None:
-        raise ValueError(f"unknown quantization {quantization!r}; use fp8")
+        raise ValueError(f"unknown quantization {quantization!r}; use fp8, int8 or int4")
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives every module its own tensor, which unties a shared lm_head
     for sub in model.modules():
@@ -348,24 +367,41 @@ def load_model(
     if checkpoint_fp8 and quantization is None:
         log.info("%s holds FP8 weights: loading them as FP8 (row-wise scales)", model_dir)
         quantization = "fp8"
+    # MLX-quantized checkpoints (mlx-community layout): their modules swapped for affine ones as they are stored
+    mlx_table = mlx_quantization(config)
+    affine_spec = None
+    if mlx_table is not None:
+        if quantization == "fp8":
+            raise ModelLoadError(f"{model_dir} holds MLX {mlx_table['bits']}-bit weights; it cannot be loaded as FP8")
+        log.info("%s is an MLX checkpoint (%s-bit affine, groups of %s): loading its packed weights as they are",
+                 model_dir, mlx_table["bits"], mlx_table["group_size"])
+        quantization, affine_spec = None, checkpoint_spec(config, mlx_table, safetensors_files(model_dir))
     try:
-        model = empty_model(config, device, dtype, quantization, layout)
+        model = empty_model(config, device, dtype, quantization, layout, affine_spec)
     except (ValueError, ModelLoadError) as exc:
         raise ModelLoadError(f"{model_dir}: {exc}") from None
     if on_materialized is not None:
         on_materialized(model)
     loader = WeightLoader(model)
+    affine_loader = AffineLoader(model) if affine_modules(model) else None
     fp8_block = tuple(quant_config.get("weight_block_size") or (128, 128)) if checkpoint_fp8 else None
     with torch.no_grad():
-        tensors = iter_checkpoint(safetensors_files(model_dir), model, fp8_block)
+        if mlx_table is not None:
+            tensors = iter_mlx_checkpoint(safetensors_files(model_dir), model, config["model_type"])
+        else:
+            tensors = iter_checkpoint(safetensors_files(model_dir), model, fp8_block)
         if checkpoint_fp8:
             tensors = dequantize_blockwise(tensors, quant_config)
+        if affine_loader is not None:
+            tensors = affine_loader.filter(tensors)  # packed tensors, and float ones quantized as they stream in
         for name, tensor in tensors:
             # A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections).
             split = getattr(model, "split_tensor", None)
             for piece_name, piece in split(name, tensor) if split else [(name, tensor)]:
                 loader.load(piece_name, piece)
     loader.check_complete()
+    if affine_loader is not None:
+        affine_loader.check_complete()
     return model, config
 
 

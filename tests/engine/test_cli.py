@@ -79,7 +79,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentP
     return dict(action.choices)
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "bench", "info", "selfcheck"])
+@pytest.mark.parametrize("command", ["serve", "generate", "bench", "info", "selfcheck", "quantize"])
 def test_every_flag_says_what_it_does_and_its_default(command):
     parser = _subparsers(cli.build_parser())[command]
     for action in parser._actions:

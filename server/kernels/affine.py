@@ -1,0 +1,216 @@
+"""Affine group-quantized weights in MLX's format (4 or 8 bits), and the products that read them.
+
+Format (mlx.core.quantize, mode "affine"): a weight [..., N, K] is cut into groups of `group_size` (32, 64, 128)
+consecutive values along K, the input dimension; each group has a scale and a bias in the model dtype and
+`w ~= scale * q + bias` with q an integer in [0, 2**bits). The q of a row are packed little-endian into uint32:
+the first value in the lowest bits (8 values per word at 4 bits, 4 at 8 bits), so a packed weight is
+[..., N, K * bits / 32] uint32, its scales and biases [..., N, K / group_size].
+
+Quantizing follows MLX's rounding exactly (mlx's CPU `quantize`, checked against `mx.quantize` in
+tests/kernels/test_affine.py): per group, in float32, the scale is (max - min) / (2**bits - 1) (at least 1e-7),
+signed towards the edge (min or max) of larger magnitude, then adjusted so that edge falls on an integer q0 and
+the bias is that edge (or 0 when q0 rounds to 0); q = clamp(round_half_even((w - bias) / scale), 0, 2**bits - 1)
+with the float32 scale and bias, which are only then rounded to the model dtype. Dequantizing is
+`q.to(dtype) * scale + bias` in the model dtype, rounded after the product and after the sum, as
+`mx.dequantize` does: for the same packed tensors our weights equal MLX's bit for bit.
+
+Products take their form as an argument (`form`); which form runs is decided by the caller's step plan:
+- "reference": dequantize the whole weight and call F.linear (any token count, any device, eager).
+- "reduction": one reduction over K in float32 that unpacks and scales inside the accumulation
+  (sum_g scale_g * sum_k x_k q_k + bias_g * sum_k x_k): the one-token decode form for torch.compile, where
+  inductor emits one kernel that reads the packed weight once. Eager it materializes [M, N, K]: use it compiled,
+  at one token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+FORMS = ("reference", "reduction")
+_EPS = 1e-7
+_ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
+
+
+def check_format(group_size: int, bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"affine quantization with {bits} bits is not supported; use one of {SUPPORTED_BITS}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"affine group size {group_size} is not supported; use one of {GROUP_SIZES}")
+
+
+def packed_width(in_features: int, bits: int) -> int:
+    """uint32 words per row of `in_features` values."""
+    return in_features * bits // 32
+
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 32, bits, dtype=torch.int32, device=device)
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers in [0, 2**bits) [..., K] -> uint32 [..., K * bits / 32], first value in the lowest bits."""
+    per_word = 32 // bits
+    words = values.to(torch.int64).reshape(*values.shape[:-1], -1, per_word)
+    packed = (words << _shifts(bits, values.device).to(torch.int64)).sum(-1)  # [0, 2**32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # the same 32 bits, signed
+    return packed.view(torch.uint32)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint32 [..., P] -> int32 [..., P * 32 / bits] in [0, 2**bits). Shifts on the int32 view (uint32 has few ops
+    on most backends); the mask drops the sign bits an arithmetic shift brings in."""
+    words = packed.view(torch.int32).unsqueeze(-1)  # [..., P, 1]
+    values = (words >> _shifts(bits, packed.device)) & (2**bits - 1)  # [..., P, 32 / bits]
+    return values.reshape(*packed.shape[:-1], -1)
+
+
+def quantize_affine(weight: torch.Tensor, group_size: int = 64, bits: int = 4
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., K] float -> (q uint32 [..., K*bits/32], scales [..., K/gs], biases [..., K/gs] in weight.dtype), equal to
+    mx.quantize(weight, group_size, bits)'s."""
+    check_format(group_size, bits)
+    if weight.shape[-1] % group_size:
+        raise ValueError(f"the input dimension {weight.shape[-1]} is not a multiple of the group size {group_size}")
+    rows = weight.reshape(-1, weight.shape[-1])
+    q = torch.empty(rows.shape[0], packed_width(rows.shape[1], bits), dtype=torch.uint32, device=weight.device)
+    scales = torch.empty(rows.shape[0], rows.shape[1] // group_size, dtype=weight.dtype, device=weight.device)
+    biases = torch.empty_like(scales)
+    for start in range(0, rows.shape[0], _ROW_CHUNK):
+        chunk = slice(start, start + _ROW_CHUNK)
+        q[chunk], scales[chunk], biases[chunk] = _quantize_rows(rows[chunk], group_size, bits)
+    lead = weight.shape[:-1]
+    return q.view(*lead, -1), scales.view(*lead, -1), biases.view(*lead, -1)
+
+
+def _quantize_rows(rows: torch.Tensor, group_size: int, bits: int):
+    groups = rows.float().reshape(rows.shape[0], -1, group_size)  # [R, G, gs]
+    n_bins = float(2**bits - 1)
+    w_max, w_min = groups.amax(-1, keepdim=True), groups.amin(-1, keepdim=True)
+    min_side = w_min.abs() > w_max.abs()
+    scale = ((w_max - w_min) / n_bins).clamp_min(_EPS)
+    scale = torch.where(min_side, scale, -scale)
+    edge = torch.where(min_side, w_min, w_max)
+    q0 = torch.round(edge / scale)  # round half to even, as mlx's CPU quantize (std::rint)
+    on_grid = q0 != 0
+    scale = torch.where(on_grid, edge / q0, scale)
+    bias = torch.where(on_grid, edge, torch.zeros_like(edge))
+    q = torch.round((groups - bias) / scale).clamp_(0, n_bins)  # the float32 scale and bias, as mlx
+    packed = pack(q.reshape(rows.shape), bits)
+    return packed, scale.squeeze(-1).to(rows.dtype), bias.squeeze(-1).to(rows.dtype)
+
+
+def dequantize_affine(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int
+                      ) -> torch.Tensor:
+    """Packed [..., P] with scales, biases [..., G] -> [..., G * group_size] in scales.dtype, equal to
+    mx.dequantize's: the product and the sum each rounded to the model dtype."""
+    values = unpack(q, bits)
+    groups = values.reshape(*values.shape[:-1], -1, group_size).to(scales.dtype)  # [..., G, gs]
+    out = groups * scales.unsqueeze(-1) + biases.unsqueeze(-1)
+    return out.reshape(*values.shape)
+
+
+def affine_linear(
+    x: torch.Tensor,  # [..., K]
+    q: torch.Tensor,  # [N, K * bits / 32] uint32
+    scales: torch.Tensor,  # [N, K / group_size]
+    biases: torch.Tensor,  # [N, K / group_size]
+    group_size: int,
+    bits: int,
+    bias: torch.Tensor | None = None,  # [N]
+    form: str = "reference",
+) -> torch.Tensor:
+    """x @ dequantize(q, scales, biases).T (+ bias) -> [..., N] in x.dtype, in the given form (module docstring)."""
+    if form == "reference":
+        return affine_linear_reference(x, q, scales, biases, group_size, bits, bias)
+    if form == "reduction":
+        return affine_linear_reduction(x, q, scales, biases, group_size, bits, bias)
+    raise ValueError(f"unknown affine linear form {form!r}; one of {FORMS}")
+
+
+def affine_linear_reference(x, q, scales, biases, group_size, bits, bias=None):
+    """The twin: dequantize the whole weight to the model dtype and call F.linear."""
+    weight = dequantize_affine(q, scales, biases, group_size, bits)
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def affine_linear_reduction(x, q, scales, biases, group_size, bits, bias=None):
+    """One reduction over K in float32 that unpacks q inside it and applies each group's scale and bias after
+    the group's partial sum: sum_g (scale_g * sum_k x_k q_k + bias_g * sum_k x_k). Written for torch.compile at
+    one token (inductor lowers it to one kernel reading the packed weight once); eager it is correct but
+    materializes [M, N, K]."""
+    lead, in_features = x.shape[:-1], x.shape[-1]
+    xg = x.reshape(-1, 1, in_features // group_size, group_size).float()  # [M, 1, G, gs]
+    values = unpack(q, bits).view(1, q.shape[0], -1, group_size)  # [1, N, G, gs]
+    dot = (xg * values.float()).sum(-1)  # [M, N, G]
+    out = (dot * scales.float() + xg.sum(-1) * biases.float()).sum(-1)  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*lead, q.shape[0])
+
+
+def affine_embedding(ids: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                     group_size: int, bits: int) -> torch.Tensor:
+    """The rows `ids` of a quantized table, dequantized: [...] -> [..., H] in scales.dtype (mlx's
+    QuantizedEmbedding: only the looked-up rows are read)."""
+    return dequantize_affine(q[ids], scales[ids], biases[ids], group_size, bits)
+
+
+def affine_experts(
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k]
+    expert_ids: torch.Tensor,  # [T, k] int64
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # packed [E, 2I, H*b/32], scales, biases [E, 2I, H/gs]
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # packed [E, H, I*b/32], scales, biases [E, H, I/gs]
+    group_size: int,
+    bits: int,
+    form: str = "reference",
+) -> torch.Tensor:
+    """y[t] = sum_j weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H] in x.dtype,
+    each expert's weights dequantized from the packed form (MLX's SwitchGLU with QuantizedSwitchLinear)."""
+    if form == "reference":
+        return affine_experts_reference(x, weights, expert_ids, gate_up, down, group_size, bits)
+    if form == "reduction":
+        return affine_experts_reduction(x, weights, expert_ids, gate_up, down, group_size, bits)
+    raise ValueError(f"unknown affine experts form {form!r}; one of {FORMS}")
+
+
+def affine_experts_reference(x, weights, expert_ids, gate_up, down, group_size, bits):
+    """The twin: a loop over the experts that were hit (host syncs), dequantizing only those experts, each
+    projection computed in the model dtype as F.linear does, the routed sum in float32."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
+    for expert in expert_ids.unique().tolist():
+        token_idx, slot_idx = (expert_ids == expert).nonzero(as_tuple=True)
+        w_gate_up = dequantize_affine(*(t[expert] for t in gate_up), group_size, bits).to(x.dtype)
+        w_down = dequantize_affine(*(t[expert] for t in down), group_size, bits).to(x.dtype)
+        hidden = F.linear(x[token_idx], w_gate_up)  # [n, 2I]
+        inter = hidden.shape[-1] // 2
+        y = F.linear(F.silu(hidden[:, :inter]) * hidden[:, inter:], w_down)  # [n, H]
+        out.index_add_(0, token_idx, y.float() * weights[token_idx, slot_idx, None].float())
+    return out.to(x.dtype)
+
+
+def affine_experts_reduction(x, weights, expert_ids, gate_up, down, group_size, bits):
+    """Sync-free: each token-expert slot reads only its expert's packed rows (gathered by id) and multiplies them
+    in affine_linear_reduction's form, in float32. For torch.compile at decode sizes (few slots), where inductor
+    folds the gathers into the reductions; eager it materializes [T*k, 2I, H]."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
+    hidden = _slot_reduction(x_slots, *(t[flat_ids] for t in gate_up), group_size, bits)  # [T*k, 2I]
+    inter = hidden.shape[-1] // 2
+    act = (F.silu(hidden[:, :inter]) * hidden[:, inter:]).to(x.dtype)  # rounded as the model dtype's SwiGLU
+    y = _slot_reduction(act.unsqueeze(1), *(t[flat_ids] for t in down), group_size, bits)  # [T*k, H]
+    y = y.to(x.dtype).float().view(num_tokens, top_k, -1)
+    return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def _slot_reduction(x_slots, q, scales, biases, group_size, bits):
+    """x_slots [S, 1, K] against per-slot packed weights q [S, N, P] -> [S, N] float32, unpacked in the reduction."""
+    num_slots, _, in_features = x_slots.shape
+    xg = x_slots.float().view(num_slots, 1, in_features // group_size, group_size)  # [S, 1, G, gs]
+    values = unpack(q, bits).view(num_slots, q.shape[1], -1, group_size)  # [S, N, G, gs]
+    dot = (xg * values.float()).sum(-1)  # [S, N, G]
+    return (dot * scales.float() + xg.sum(-1) * biases.float()).sum(-1)
