@@ -21,8 +21,8 @@ from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from tests.helpers import ENGINE_KW, random_ids
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="inductor needs a C compiler on the CPU")
+pytestmark = [pytest.mark.compile, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                                     reason="inductor needs a C compiler on the CPU")]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 HYBRIDS = ("qwen3_5_moe_text", "lfm2_moe")
 

@@ -20,8 +20,8 @@ from server.engine.types import SamplingParams
 from server.models.quant import quantizable_linears
 from tests.helpers import ENGINE_KW, build_tiny, random_ids
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="inductor needs a C compiler on the CPU")
+pytestmark = [pytest.mark.compile, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                                     reason="inductor needs a C compiler on the CPU")]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 

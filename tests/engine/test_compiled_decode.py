@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc
                                 reason="inductor needs a C compiler on the CPU")
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
 def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     path, _ = tiny_checkpoint(arch)
@@ -48,6 +49,7 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
         assert abs(a.logprob - b.logprob) < 1e-4 and [t.token_id for t in a.top] == [t.token_id for t in b.top]
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(not compat.regions_compile_once(), reason="older torch traces every decoder layer inline")
 @pytest.mark.parametrize("wrapper", ["python", "c++"])
 def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_layers(wrapper, tiny_checkpoint,
@@ -85,6 +87,7 @@ def test_the_decoder_layer_region_is_traced_once_and_stamped_out_for_the_other_l
     assert engine.runner.decode_graphs.kernel_launch == f"{wrapper} wrapper"
 
 
+@pytest.mark.compile
 def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, monkeypatch):
     """The batch-1 decode graph is traced apart from larger batches (size 1 is static), so it can carry its own
     attention: with flex chosen, batch 1 has FlexAttention and no SDPA, batch 2 SDPA. Traced only: the CPU has no
@@ -113,6 +116,7 @@ def test_batch1_graph_is_traced_apart_with_its_own_attention(tiny_checkpoint, mo
     assert set(traced) == {(1, False, True), (2, True, False)}, traced
 
 
+@pytest.mark.compile
 def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):
     """After warm_up(), other batch sizes and KV lengths reuse the compiled step: dynamo traces no new graph."""
     from torch._dynamo.utils import counters
@@ -138,6 +142,7 @@ def test_warm_up_compiles_every_later_decode_shape(tiny_checkpoint):
     assert (4, 64) in compiled.runner.decode_graphs.shapes_run  # a new batch and KV bucket, same compiled graph
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny_checkpoint):
     """compile_prefill: prefill, chunked and mixed steps through torch.compile(dynamic=True) give the eager
@@ -160,6 +165,7 @@ def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(arch, tiny
     assert counters["stats"]["unique_graphs"] == graphs_before
 
 
+@pytest.mark.compile
 def test_compiled_steps_match_eager_logprobs(tiny_checkpoint):
     """The compiled decode step and compiled prefill write K and V with one scatter into the
     [blocks, block, 2, heads, dim] cache and read them as views: the eager tokens and logprobs."""
@@ -224,6 +230,7 @@ def test_decode_shapes_to_prepare_are_bounded_by_the_cache(tiny_checkpoint):
     assert graphs.buckets_within(16) == [(1, 4), (1, 8), (2, 4), (2, 8)]
 
 
+@pytest.mark.compile
 def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint, monkeypatch):
     """FP8 llama, one request at a time, decode steps launched kernel by kernel (no CUDA graphs, as on MPS): the
     compiled batch-1 decode step reads each FP8 weight inside its reduction instead of quantizing the activation,
@@ -263,6 +270,7 @@ def test_compiled_steps_raise_dynamos_recompile_limit_in_whichever_thread_calls_
     assert len(seen) == 1 and seen[0] >= 16
 
 
+@pytest.mark.compile
 def test_a_moe_whose_few_slots_threshold_is_two_sequences_compiles_every_batch(tmp_path, caplog):
     """16 experts, top-2: the gather-reduce test (4 x 2 x batch <= 16) holds at a batch of 2 and no more. As a guard
     on the symbolic batch it would leave it the single value 2 inside the compiled decoder layer, which the other
@@ -282,6 +290,7 @@ def test_a_moe_whose_few_slots_threshold_is_two_sequences_compiles_every_batch(t
     assert compiled.compile_state != "failed" and "failed" not in caplog.text, caplog.text
 
 
+@pytest.mark.compile
 def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkpoint, monkeypatch):
     """Llama's o_proj and down_proj as one-token row reductions in the batch-1 step (the form CUDA takes, forced
     here on the CPU): the eager tokens, and the step did trace the reductions."""

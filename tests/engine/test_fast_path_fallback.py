@@ -82,6 +82,7 @@ def test_a_failing_fast_path_gives_the_reference_tokens_with_one_warning(tiny_ch
     assert list(capabilities(CPU).runtime_failures) == [name]
 
 
+@pytest.mark.compile
 def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint, monkeypatch, caplog):
     """Without the background compile (the Python API, `generate`, `serve --no-warmup`), the compiled step is
     built at its first use: a failure there moves the engine to the eager path instead of failing the request.
@@ -105,6 +106,7 @@ def test_a_lazy_compile_that_fails_runs_eagerly_with_one_warning(tiny_checkpoint
         make_engine(path, compile="on").warm_up()
 
 
+@pytest.mark.compile
 @pytest.mark.parametrize("beside_serving", [False, True])
 def test_a_cpp_wrapper_that_fails_to_build_launches_from_python_with_one_warning_per_form(
         beside_serving, tiny_checkpoint, monkeypatch, caplog):
@@ -152,6 +154,7 @@ def _run_uncached(run, *args):
         return run(*args)
 
 
+@pytest.mark.compile
 def test_a_recompile_failing_after_the_background_compile_stays_eager(tiny_checkpoint, monkeypatch, caplog):
     """The compiled steps were ready, then a shape they had not seen fails to compile: eager for good, one
     warning, and the engine never moves back to the compiled runner."""
@@ -192,6 +195,7 @@ def _raising(exc: Exception):
     return launch
 
 
+@pytest.mark.compile
 def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplog):
     """A failure while the C++ form runs reaches the caller (a step that ran part way may not run again); in a
     warm-up call (padding rows, scratch outputs: safe to run twice) it falls back like a failed build."""
@@ -214,6 +218,7 @@ def test_a_cpp_wrapper_step_failing_at_run_time_falls_back_only_in_warm_up(caplo
     assert "no such Metal function" in warnings[0] and not step.cpp_wrapper
 
 
+@pytest.mark.compile
 def test_a_cpp_form_built_beside_serving_launches_only_once_its_warm_up_ran(caplog):
     """Beside serving the Python form launches the step until the C++ form's warm-up calls have all run; one that
     fails leaves the Python form, with one warning, and the C++ form is never tried again."""

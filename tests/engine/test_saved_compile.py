@@ -20,7 +20,7 @@ from server.engine.types import SamplingParams
 from tests.engine.test_compile_child import compile_beside_serving, with_child  # noqa: F401 - a fixture
 from tests.helpers import ENGINE_KW, needs_saved_compiles, random_ids
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+pytestmark = [pytest.mark.slow, pytest.mark.compile, pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                                    reason="inductor needs a C compiler on the CPU")]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAVED_STEPS_DIR = compile_worker.saved_steps_dir  # conftest's no_saved_compiles replaces it in each test
