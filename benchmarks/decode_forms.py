@@ -22,6 +22,7 @@ carry kernels/step and, on CUDA, the step's kernel time (kernel ms: device time,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -30,15 +31,19 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir  # private: where torch keeps its caches
 
 from server import cli
-from server.kernels import fp8, gemv, moe
-from server.kernels.capabilities import fp8_rowwise_ok, fp8_weight_only_ok
+from server.engine import build
+from server.kernels import gemv, moe
+from server.kernels.plan import StepPlans, step_plans
 from server.models import layers
 
 
-def scaled_mm_at_one_token(device: torch.device, num_tokens) -> bool:
-    # scaled_mm at one token wherever the device has it; weight-only only where it has not
-    return (torch.compiler.is_compiling() and num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS
-            and not fp8_rowwise_ok(device, False) and fp8_weight_only_ok(device))
+def scaled_mm_at_one_token(device: torch.device, dtype: torch.dtype) -> StepPlans:
+    """The engine's plans, but scaled_mm at one token wherever the device has it; weight-only only where it has
+    not."""
+    plans = step_plans(device, dtype)
+    compiled = [dataclasses.replace(plan, fp8_weight_only=plan.fp8_weight_only and not plan.fp8_rowwise)
+                for plan in (plans.compiled, plans.compiled_layers_inline)]
+    return StepPlans(plans.eager, *compiled)
 
 
 def gather_reduce_per_slot(x, weights, expert_ids, gate_up, down):
@@ -69,7 +74,7 @@ def inlined(x):
 
 FORMS = {  # name -> (quantize modes, [(module, attribute, replacement)]); the engine's form replaces nothing
     "engine": ("none,fp8", []),
-    "scaled-mm": ("fp8", [(fp8, "use_weight_only", scaled_mm_at_one_token)]),
+    "scaled-mm": ("fp8", [(build, "step_plans", scaled_mm_at_one_token)]),  # another plan for every engine
     "ffn-input-inlined": ("none,fp8", [(layers, "stored", inlined)]),
     "bf16-down-per-slot": ("none", [(moe, "_experts_gather_reduce", gather_reduce_per_slot)]),
     "bf16-weights-in-swiglu": ("none", [(moe, "_experts_gather_reduce", gather_reduce_weights_in_swiglu)]),

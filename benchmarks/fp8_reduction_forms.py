@@ -26,6 +26,7 @@ from benchmarks.kernels import time_graph
 from server.bench.measure import copy_bandwidth_gb_s
 from server.kernels import moe, moe_fp8
 from server.kernels.fp8 import fp8_linear, fp8_weight_only_linear, quantize_activation, quantize_fp8_rowwise
+from server.kernels.plan import step_plan
 
 
 def down_upcast_bf16(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
@@ -106,11 +107,12 @@ def expert_forms() -> dict:
     }
 
 
-def lm_head_forms() -> dict:
+def lm_head_forms(plan) -> dict:
+    """`plan`: the compiled step's plan on the device (scaled_mm's spelling and fallback)."""
     return {
         "bf16 F.linear": (False, lambda x, w, s: F.linear(x, w)),
         "fp8 weight-only": (True, lambda x, w, s: fp8_weight_only_linear(x, w, s, None, x.dtype)),
-        "fp8 scaled_mm": (True, lambda x, w, s: fp8_linear(*quantize_activation(x), w, s, None, x.dtype)),
+        "fp8 scaled_mm": (True, lambda x, w, s: fp8_linear(*quantize_activation(x), w, s, None, x.dtype, plan)),
     }
 
 
@@ -172,7 +174,7 @@ def run_lm_head(args, device: str, dtype: torch.dtype, gbps: float) -> None:
     weight_q, weight_scale = quantize_fp8_rowwise(weight)
     x = torch.randn(1, args.hidden, device=device, dtype=dtype, generator=gen)
     reference = x.float() @ (weight_q.float() * weight_scale).t()
-    for name, (is_fp8, form) in lm_head_forms().items():
+    for name, (is_fp8, form) in lm_head_forms(step_plan(device, dtype, traced=True)).items():
         for tuned in (False, True) if "weight-only" in name else (False,):
             fn = compiled(form, tuned)
             call = (x, weight_q, weight_scale) if is_fp8 else (x, weight, None)

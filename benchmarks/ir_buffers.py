@@ -60,13 +60,15 @@ def moe_experts_one_token(fp8: bool = False):
     """Routing (torch.topk, as layers compiled inline route) and the gather-reduce experts of a MoE layer at one
     token (the compiled step's path on CUDA and the CPU), then the residual add."""
     from server.kernels import moe, moe_fp8
+    from server.kernels.plan import step_plan
 
+    inline = step_plan("cpu", torch.float32, traced=True).for_inline_call()  # routing reads no device field
     num_experts, hidden, inter, top_k = 16, 64, 32, 4
     gate_up, down = torch.randn(num_experts, 2 * inter, hidden), torch.randn(num_experts, hidden, inter)
     quantized = [*moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down)]
 
     def experts(x, logits, residual):
-        weights, expert_ids = moe.route_softmax(logits, top_k, True, fuse=False)
+        weights, expert_ids = moe.route_softmax(logits, top_k, True, inline)
         if fp8:
             return (residual + moe_fp8._experts_gather_reduce_fp8(x, weights, expert_ids, *quantized),)
         return (residual + moe._experts_gather_reduce(x, weights, expert_ids, gate_up, down),)

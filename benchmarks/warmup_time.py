@@ -137,7 +137,7 @@ def serve_path(engine, vocab_size: int, record: dict, eager_only: bool) -> bool:
 
         compiled_runner = engine.runner
         engine.runner = ModelRunner(engine.model, engine.kv_cache, engine.device, engine.vocab_size, None,
-                                    engine.state_cache)
+                                    engine.state_cache, compiled_runner.plans)
         decode_rate(engine, prompt, 8)  # the eager path's own first-call costs
         record["eager_tok_s_alone"] = round(decode_rate(engine, prompt, 32), 1)
         engine.runner = compiled_runner

@@ -21,7 +21,9 @@ from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
 from server.kernels import compat, fp8
+from server.kernels.plan import StepPlans, step_plans
 from server.models.parallel import Layout
+from server.models.regions import compiled_layer_regions
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +89,15 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     kv_manager = KVManager(allocator, state_slots)
     limits = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len)
     scheduler = Scheduler(limits, kv_manager)
-    graphs = decode_graphs(model, config, device, dtype, kv_cache, state_cache, max_model_len)
-    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, graphs, state_cache)
+    plans = step_plans(device, dtype)  # the forms eager and compiled steps run (server.kernels.plan)
+    graphs = decode_graphs(model, config, device, dtype, kv_cache, state_cache, max_model_len, plans)
+    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, graphs, state_cache, plans)
     compile_prefill = wants_compiled_prefill(config, device, graphs is not None, state_cache is not None)
+    if graphs is not None or compile_prefill:
+        compiled_layer_regions(model)
     if compile_prefill:
         caches = list(kv_cache.layers) + [t for layer in (state_cache.layers if state_cache else []) for t in layer]
-        runner.forward_steps = CompiledSteps(model, caches, size_oblivious=state_cache is None)
+        runner.forward_steps = CompiledSteps(model, caches, plans.compiled, size_oblivious=state_cache is None)
     return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, compile_prefill)
 
 
@@ -144,14 +149,14 @@ def compiles_decode(config: EngineConfig, device: torch.device) -> bool:
 
 
 def decode_graphs(model, config: EngineConfig, device: torch.device, dtype: torch.dtype, kv_cache: KVCache,
-                  state_cache: StateCache | None, max_model_len: int) -> DecodeGraphs | None:
+                  state_cache: StateCache | None, max_model_len: int, plans: StepPlans) -> DecodeGraphs | None:
     """The compiled decode step, where `compiles_decode`."""
     if not compiles_decode(config, device):
         return None
     flex = use_flex_at_batch_1(device, dtype, config.block_size, state_cache is None)
     blocks_per_seq = -(-max_model_len // config.block_size)
     graphs = config.cuda_graphs if config.cuda_graphs is not None else True
-    return DecodeGraphs(model, kv_cache.layers, device, config.max_num_seqs, blocks_per_seq, graphs,
+    return DecodeGraphs(model, kv_cache.layers, device, config.max_num_seqs, blocks_per_seq, graphs, plans,
                         state_cache=state_cache, flex_at_batch_1=flex)
 
 

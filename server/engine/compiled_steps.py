@@ -65,7 +65,8 @@ class CompiledSteps:
                 child.close()
             return None
         compiled = self._compiled_runner = self.runner
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache,
+                                  compiled.plans)
         spec = child_spec(self.model, self.config, self.device, self.dtype, self.max_model_len,
                           self.kv_cache.num_blocks - 1)
         # Where a child filled every stage before, each form only loads: the quicker-to-build forms first would
@@ -88,8 +89,10 @@ class CompiledSteps:
     def _warm_prefill(self, decode_through_prefill: bool, compiled_forward) -> None:
         """Compile the prefill forms through a shadow engine: the same model and caches, `compiled_forward`, no
         decode graphs (so no write to the ids the serving steps feed from), every block the null block."""
-        runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
-        runner.forward_steps = compiled_forward if decode_through_prefill else PrefillForms(compiled_forward, self.model)
+        runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache,
+                             self.runner.plans)
+        runner.forward_steps = (compiled_forward if decode_through_prefill
+                                else PrefillForms(compiled_forward, runner.eager_forward))
         scratch = self.state_cache.scratch_slot if self.state_cache is not None else None
         null_blocks = NullBlocks(self.kv_manager.block_size, self.kv_manager.num_usable_blocks, scratch)
         parts = EngineParts(self.kv_cache, self.state_cache, null_blocks, Scheduler(self.scheduler.config, null_blocks),

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from server.engine.types import InvalidRequestError, ModelLoadError
 from server.kernels.paged_attention import prefill_sdpa_backends
+from server.kernels.plan import StepPlan
 from server.models.base import ATTENTION, AttentionMetadata
 
 MODULES_FILE = "modules.json"
@@ -59,7 +60,7 @@ def check_embeddable(model: torch.nn.Module) -> None:
 
 
 @torch.inference_mode()
-def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:
+def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.device, plan: StepPlan) -> torch.Tensor:
     """Final hidden states `[num_tokens, hidden]` of one sequence, attending over its own K/V only. The K/V
     written on the way goes to a scratch block that every layer of one shape reuses."""
     num_tokens = len(token_ids)
@@ -78,7 +79,7 @@ def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.de
     ]
     input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     with prefill_sdpa_backends(device):
-        return model(input_ids, positions, meta, caches)
+        return model(input_ids, positions, meta, caches, plan)
 
 
 def pool(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:

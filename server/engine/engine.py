@@ -251,7 +251,8 @@ class Engine(CompiledSteps):
                 raise
             log.warning("compiling the decode step failed on %s (%s); this engine runs eagerly from now on, which "
                         "is slower. %s.", self.device, describe_failure(exc), REPORT_HINT)
-            self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache)
+            self.runner = ModelRunner(self.model, self.kv_cache, self.device, self.vocab_size, None, self.state_cache,
+                                      self.runner.plans)
             self.compile_prefill = False
             self._compile_failed = True
             self._compiled_runner = None  # a background compile's runner too: never moved to again
@@ -351,7 +352,7 @@ class Engine(CompiledSteps):
                     f"input[{index}] is {len(ids)} tokens, more than this model's maximum context length of "
                     f"{self.max_model_len} tokens.", param="input", code="context_length_exceeded")
             with serialized_device_work(self.device):
-                vector = pool(hidden_states(self.model, ids, self.device), self.pooling).tolist()
+                vector = pool(hidden_states(self.model, ids, self.device, self.runner.plans.eager), self.pooling).tolist()
             vectors.append(truncate(vector, dimensions, self.pooling.normalize))
             num_tokens += len(ids)
         return vectors, num_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,6 +16,7 @@ from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
 from server.kernels.paged_attention import prefill_sdpa_backends
+from server.kernels.plan import StepPlan, StepPlans
 from server.kernels.streams import DeviceStreams, PendingCopy
 from server.models.base import AttentionMetadata
 
@@ -69,7 +71,8 @@ class CompiledSteps:
     recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many; not
     for hybrids, see below)."""
 
-    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], size_oblivious: bool = True):
+    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], plan: StepPlan, size_oblivious: bool = True):
+        self.plan = plan  # the compiled plan: the same object every call, so dynamo's guards on it always pass
         for tensor in cache_tensors:
             torch._dynamo.mark_static(tensor)
         self._compiled = torch.compile(model, dynamic=True)
@@ -85,7 +88,7 @@ class CompiledSteps:
         # background compile, the engine thread and the caller each compile on their own thread.
         with shape_config.patch(**self._shape_config), torch._dynamo.config.patch(
                 recompile_limit=self._recompile_limit):
-            return self._compiled(*args)
+            return self._compiled(*args, self.plan)
 
 
 class KVCache:
@@ -104,7 +107,8 @@ class KVCache:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs=None, state_cache=None):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs,
+                 state_cache, plans: StepPlans):
         self.decode_graphs = decode_graphs  # DecodeGraphs, or None for the eager path
         # With the compiled decode step, sampling is compiled too: the seeded sampler is several times faster
         # compiled than eager per step; greedy-only batches stay eager (argmax).
@@ -116,7 +120,9 @@ class ModelRunner:
         self.sampler_ready = True  # False while a background compile builds it: the eager sampler meanwhile
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
-        self.forward_steps = model  # prefill and mixed steps (the eager model, or a compiled one: compile_prefill)
+        self.plans = plans
+        self.eager_forward = functools.partial(model, plan=plans.eager)
+        self.forward_steps = self.eager_forward  # prefill and mixed steps (eager, or compiled: compile_prefill)
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
@@ -142,8 +148,9 @@ class ModelRunner:
             self._feed_pending(input_ids, pending, prev)
             with prefill_sdpa_backends(self.device):
                 hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
-            step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
-            logits = self.model.compute_logits(hidden[sample_index]) if sample_chunks else None
+            logits_of = functools.partial(self.model.compute_logits, plan=self.plans.eager)
+            step.all_logits = {rid: logits_of(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
+            logits = logits_of(hidden[sample_index]) if sample_chunks else None
         if sample_chunks:
             if step.token_ids is None:
                 sampled = self._sample_rows(logits, rows, token_bitmask(sample_chunks) if token_bitmask else None)

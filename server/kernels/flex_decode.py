@@ -24,14 +24,17 @@ except ImportError:  # pragma: no cover - torch without FlexAttention
 Q_BLOCK_SIZE = 128
 
 
-def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_slots: int):
+def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_slots: int,
+                      listed_blocks: bool):
     """BlockMask for one query per sequence at `positions [num_seqs]` over the blocks of `block_tables
     [num_seqs, max_blocks]`. Every block is listed as partial: with full blocks, torch's flex-decoding kernel
-    splits the whole physical cache length across its programs instead of the sequence's own blocks."""
+    splits the whole physical cache length across its programs instead of the sequence's own blocks.
+    `listed_blocks` (StepPlan.flex_listed_blocks: a compiled step) masks right on the listed blocks only, else on
+    the whole cache (eager)."""
     num_seqs, max_blocks = block_tables.shape
     num_cache_blocks = num_slots // block_size  # the mask's KV extent is its index rows' length: pad to the cache
     num_blocks = positions // block_size + 1  # [num_seqs]
-    if torch.compiler.is_compiling():
+    if listed_blocks:
         if not isinstance(num_seqs, int):  # torch would use its general kernel, which this mask is wrong for
             raise RuntimeError("flex decode attention needs a static batch size (DecodeGraphs marks it static)")
         visible = _listed_blocks_mask(block_tables, positions, block_size)
@@ -85,6 +88,7 @@ def flex_decode_attention(
     v_cache: torch.Tensor,
     block_mask,  # decode_block_mask(...) of this step, built once for all layers
     scale: float,
+    kv_tile: bool,  # StepPlan.flex_kv_tile: bound the kernel's KV tile by the cache block (the Triton kernel)
 ) -> torch.Tensor:
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
@@ -92,14 +96,14 @@ def flex_decode_attention(
     values = v_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)
     out = flex_attention(
         q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != kv_heads,
-        kernel_options=_kernel_options(block_size, q.device),
+        kernel_options=_kernel_options(block_size, kv_tile),
     )
     return out[:, :, 0]  # [num_seqs, heads, head_dim]
 
 
-def _kernel_options(block_size: int, device: torch.device) -> dict | None:
+def _kernel_options(block_size: int, kv_tile: bool) -> dict | None:
     """The Triton kernel's KV tile must divide the cache block (its sparse block); the CPU template picks its own."""
-    return {"BLOCK_N": min(block_size, 64)} if device.type == "cuda" else None
+    return {"BLOCK_N": min(block_size, 64)} if kv_tile else None
 
 
 @functools.cache
@@ -107,6 +111,7 @@ def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bo
     """Compile flex decode on `device` (static batch 2, grouped heads, sequences over shuffled blocks ending in
     partial blocks) and compare it with the gathered SDPA decode in fp32 -> (ok, reason). Once per process."""
     from server.kernels.paged_attention import gathered_decode_attention
+    from server.kernels.plan import step_plan
 
     if flex_attention is None:
         return False, f"torch {torch.__version__} has no FlexAttention"
@@ -118,10 +123,11 @@ def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bo
     positions = torch.tensor([block_size + 2, 3 * block_size + block_size // 2])
     scale = head_dim**-0.5
     expected = gathered_decode_attention(q, k_cache, v_cache, tables, positions, scale)
+    plan = step_plan(device, dtype, traced=True)
 
     def step(q, k_cache, v_cache, tables, positions):
-        mask = decode_block_mask(tables, positions, block_size, k_cache.shape[0] * block_size)
-        return flex_decode_attention(q, k_cache, v_cache, mask, scale)
+        mask = decode_block_mask(tables, positions, block_size, k_cache.shape[0] * block_size, plan.flex_listed_blocks)
+        return flex_decode_attention(q, k_cache, v_cache, mask, scale, plan.flex_kv_tile)
 
     try:
         args = [t.to(device, dtype) for t in (q, k_cache, v_cache)] + [t.to(device) for t in (tables, positions)]

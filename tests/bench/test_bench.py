@@ -431,14 +431,14 @@ def test_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restor
     own (a saved step of another form has the same key), and the engine's functions and cache come back;
     --quantize overrides every form's modes."""
     import benchmarks.decode_forms as module
-    from server.kernels import fp8
+    from server.engine import build
     from server.models import layers
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    engine_choice, engine_store, seen = fp8.use_weight_only, layers.stored, []
+    engine_choice, engine_store, seen = build.step_plans, layers.stored, []
 
     def bench(argv):
-        seen.append((argv[-2:], fp8.use_weight_only, layers.stored, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
+        seen.append((argv[-2:], build.step_plans, layers.stored, os.environ["TORCHINDUCTOR_CACHE_DIR"]))
         assert "--num-layers" in argv
         return 0
 
@@ -450,7 +450,7 @@ def test_decode_forms_script_runs_each_form_patched_in_its_own_cache_then_restor
         (["--quantize", "fp8"], module.scaled_mm_at_one_token, engine_store, str(tmp_path / "form-scaled-mm")),
         (["--quantize", "none,fp8"], engine_choice, module.inlined, str(tmp_path / "form-ffn-input-inlined")),
     ]
-    assert (fp8.use_weight_only, layers.stored) == (engine_choice, engine_store)
+    assert (build.step_plans, layers.stored) == (engine_choice, engine_store)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
     seen.clear()
     argv = ["--forms", "engine,ffn-input-inlined", "--quantize", "none", "--", "--num-layers", "2"]
@@ -470,9 +470,11 @@ def test_decode_forms_moe_forms_compute_the_engine_function():
     outputs: a form that measured faster by being wrong would decide nothing."""
     import benchmarks.decode_forms as module
     from server.kernels import moe
+    from server.kernels.plan import step_plan
 
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
-    weights, expert_ids = moe.route_softmax(torch.randn(1, 16, generator=gen) * 3, 4, True, False)
+    inline = step_plan("cpu", torch.float32, traced=True).for_inline_call()
+    weights, expert_ids = moe.route_softmax(torch.randn(1, 16, generator=gen) * 3, 4, True, inline)
     x, gate_up, down = (torch.randn(*shape, generator=gen) for shape in ((1, 32), (16, 48, 32), (16, 32, 24)))
     expected = moe.moe_experts_reference(x, weights, expert_ids, gate_up, down)
     for form in (module.gather_reduce_per_slot, module.gather_reduce_weights_in_swiglu):

@@ -12,7 +12,8 @@ import torch
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from server.kernels import compat
-from tests.helpers import ENGINE_KW, random_ids
+from server.kernels.plan import step_plan
+from tests.helpers import ENGINE_KW, random_ids, replan
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="inductor needs a C compiler on the CPU")
@@ -234,7 +235,7 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     prompts = [random_ids(n, n) for n in (5, 19, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with monkeypatch.context() as eager_patch:  # the same form eagerly, as the reference; prefill keeps scaled_mm
-        eager_patch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
+        replan(eager_patch, eager={"fp8_weight_only": True})
         eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
         expected = [eager.generate(p, params).token_ids for p in prompts]
     traced = []  # whether each activation quantization was traced into the compiled step
@@ -254,7 +255,7 @@ def test_compiled_steps_raise_dynamos_recompile_limit_in_whichever_thread_calls_
 
     from server.engine.model_runner import CompiledSteps
 
-    steps = CompiledSteps(torch.nn.Identity(), [])
+    steps = CompiledSteps(torch.nn.Identity(), [], step_plan("cpu", torch.float32, traced=True))
     seen = []
     steps._compiled = lambda *args: seen.append(torch._dynamo.config.recompile_limit)
     thread = threading.Thread(target=steps, args=(torch.zeros(1),))
@@ -295,7 +296,7 @@ def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkp
     traced = []  # the weight shapes of the row reductions dynamo traced (recorded at trace time, no guard on it)
     record = torch._dynamo.assume_constant_result(lambda rows, cols: traced.append((rows, cols)) or 0)
     reduction = gemv.row_reduction_linear
-    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
+    replan(monkeypatch, compiled={"row_reduction_linear": True})
     monkeypatch.setattr(gemv, "row_reduction_linear", lambda x, w, b: reduction(x, w, b) + record(*w.shape))
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert [compiled.generate(p, params).token_ids for p in prompts] == expected
