@@ -25,6 +25,7 @@ from server.models.base import ATTENTION, AttentionMetadata
 from server.models.layers import (
     Attention,
     CausalLM,
+    DecoderLayer,
     FusedExperts,
     GatedMLP,
     Linear,
@@ -154,6 +155,23 @@ class GatedDeltaNet(nn.Module):
             recurrent_cache.index_copy_(0, slots, new_state.transpose(-1, -2))
         out = self.norm(_flat(out, meta), z.view(num_tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size), plan)
+
+
+def gated_hybrid_layer(args, layer_type: str, ffn: nn.Module, make_norm) -> DecoderLayer:
+    """A Qwen3.5 / Qwen3-Next decoder layer: gated attention (ATTENTION) or Gated DeltaNet, then `ffn`, under the
+    checkpoint's names. `args`: the model's ModelArgs (the Qwen3.5 fields)."""
+    if layer_type == ATTENTION:
+        name = "self_attn"
+        mixer = GatedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.rms_norm_eps
+        )
+    else:
+        name = "linear_attn"
+        mixer = GatedDeltaNet(
+            args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+            args.linear_value_head_dim, args.linear_conv_kernel_dim, args.rms_norm_eps,
+        )
+    return DecoderLayer(("input_layernorm", name, "post_attention_layernorm", "mlp"), mixer, ffn, make_norm)
 
 
 def split_grouped_projections(name: str, tensor: torch.Tensor, num_k_heads: int, k_dim: int, v_dim: int, ratio: int):
@@ -294,6 +312,7 @@ class HybridModel(CausalLM):
     and the norms; `state_shapes()` lists the state layers (meta.state_caches align with them)."""
 
     ignored_prefixes: tuple[str, ...] = ()  # checkpoint parts that are not the text model (vision, MTP)
+    shared_expert_slots = False  # SharedExpertMoE layers: their shared expert's tensors go to the experts' last slot
 
     def __init__(self, args):
         layer_types = args.layer_types
@@ -315,7 +334,8 @@ class HybridModel(CausalLM):
         return [self.mixer(i).state_shapes() for i, t in enumerate(self.model.layer_types) if t != ATTENTION]
 
     def sanitize(self, name: str) -> str | None:
-        """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts)."""
+        """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts); a shared
+        expert kept as the experts' last slot is renamed to it (`shared_expert_slots`)."""
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model.") :]
         for prefix in self.ignored_prefixes:
@@ -324,12 +344,22 @@ class HybridModel(CausalLM):
                     self._skipped_logged.add(prefix)
                     log.info("ignoring checkpoint tensors %s* (not part of the text model)", prefix)
                 return None
-        return super().sanitize(name)
+        name = super().sanitize(name)
+        if name is not None and self.shared_expert_slots:
+            name = shared_expert_slot_name(name, self.args)
+        return name
 
 
-def lfm2_attention(hidden_size: int, num_heads: int, num_kv_heads: int, eps: float) -> Attention:
-    """LFM2 attention: the shared GQA layer with q/k_layernorm (plain RMSNorm) and `out_proj`."""
-    return Attention(
-        hidden_size, num_heads, num_kv_heads, hidden_size // num_heads, qk_norm_eps=eps,
-        o_proj_name="out_proj", q_norm_name="q_layernorm", k_norm_name="k_layernorm",
-    )
+def lfm2_layer(args, layer_type: str, ffn: nn.Module, make_norm) -> DecoderLayer:
+    """An LFM2 decoder layer: attention (ATTENTION) or the short conv, then `ffn`, under the checkpoint's names.
+    LFM2 attention is the shared GQA layer with q/k_layernorm (plain RMSNorm) and `out_proj`. `args`: the model's
+    ModelArgs (the LFM2 fields)."""
+    if layer_type == ATTENTION:
+        name = "self_attn"
+        mixer = Attention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qk_norm_eps=args.norm_eps, o_proj_name="out_proj", q_norm_name="q_layernorm", k_norm_name="k_layernorm",
+        )
+    else:
+        name, mixer = "conv", ShortConv(args.hidden_size, args.conv_L_cache)
+    return DecoderLayer(("operator_norm", name, "ffn_norm", "feed_forward"), mixer, ffn, make_norm)

@@ -273,6 +273,14 @@ def layer_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     return meta if meta.state_caches is None else dataclasses.replace(meta, state_caches=None)
 
 
+def attention_decoder_layer(args, ffn: nn.Module, make_norm, qk_norm: bool) -> DecoderLayer:
+    """A Llama-style decoder layer: GQA attention (with per-head q/k RMSNorm where `qk_norm`: Qwen3), then `ffn`,
+    under the checkpoint's names. `args`: the model's ModelArgs (the Llama fields)."""
+    attention = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                          qk_norm_eps=args.rms_norm_eps if qk_norm else None)
+    return DecoderLayer(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"), attention, ffn, make_norm)
+
+
 class DecoderStack(nn.Module):
     """`model.*` in HF naming: embed_tokens, layers, the final norm (`norm`, or `embedding_norm` in LFM2) and the
     rotary embedding; forward runs embed -> rope -> layers -> final norm.
@@ -317,14 +325,17 @@ class DecoderStack(nn.Module):
 
 class CausalLM(nn.Module):
     """Decoder-only LM over the paged KV cache: `model` (a DecoderStack) and an `lm_head` (maybe tied to the
-    embedding). Architectures build the layers (`make_layer`) and norms (`make_norm`) under their checkpoint's
-    names; forward() returns hidden states, compute_logits() the logits."""
+    embedding). Architectures build the layers (`make_layer`) under their checkpoint's names, and the norms
+    (`make_norm`: RMSNorm of `args.rms_norm_eps`, `zero_centered_norms` as the architecture says); forward() returns
+    hidden states, compute_logits() the logits. Layers are all attention unless `layer_types` says otherwise."""
 
     final_norm_name = "norm"
+    zero_centered_norms = False
 
-    def __init__(self, args, layer_types: list[str]):
+    def __init__(self, args, layer_types: list[str] | None = None):
         super().__init__()
         self.args = args
+        layer_types = layer_types if layer_types is not None else [ATTENTION] * args.num_hidden_layers
         layers = [self.make_layer(i, t) for i, t in enumerate(layer_types)]
         rotary_emb = RotaryEmbedding(args.head_dim, args.rope_parameters)
         self.model = DecoderStack(
@@ -337,7 +348,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def make_norm(self) -> nn.Module:
-        raise NotImplementedError
+        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps, zero_centered=self.zero_centered_norms)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
                 plan: StepPlan) -> torch.Tensor:
