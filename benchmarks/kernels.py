@@ -26,10 +26,18 @@ import torch.nn.functional as F
 from server.kernels import compat, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.fp8 import fp8_linear, quantize_activation, quantize_fp8_rowwise
+from server.kernels.plan import StepPlan
+from server.kernels.plan import step_plan as _step_plan
 
 ROTATE_BYTES = 256 * 2**20  # several times a GPU's L2: every call reads its weights from memory
 GEMV_SHAPES = [(2048, 2048), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 DEVICE = torch.device("cuda")
+
+
+def step_plan(traced: bool = False) -> StepPlan:
+    """The forms an eager (or compiled) step runs on DEVICE: compiled variants get the compiled plan, as the
+    engine's compiled steps do."""
+    return _step_plan(DEVICE, torch.bfloat16, traced)
 
 
 def median(values: list[float]) -> float:
@@ -118,14 +126,15 @@ def bench_gemv_shape(num_out: int, num_in: int, copy_gbps: float, rows: list[dic
     x = torch.randn(1, 1, num_in, device=DEVICE, dtype=torch.bfloat16)
     x_fp8, x_scale = quantize_activation(x)
     ref = x.float().view(1, -1) @ weights[0].float().t()
+    plan = step_plan()
     variants = {
         "bf16 F.linear": (lambda i: F.linear(x, weights[i % copies]), bf16_bytes),
         "fp8 fp8_linear (x quantized once, outside)": (
-            lambda i: fp8_linear(x_fp8, x_scale, *quant[i % copies], None, torch.bfloat16),
+            lambda i: fp8_linear(x_fp8, x_scale, *quant[i % copies], None, torch.bfloat16, plan),
             fp8_bytes,
         ),
         "fp8 quantize_activation + fp8_linear": (
-            lambda i: fp8_linear(*quantize_activation(x), *quant[i % copies], None, torch.bfloat16),
+            lambda i: fp8_linear(*quantize_activation(x), *quant[i % copies], None, torch.bfloat16, plan),
             fp8_bytes,
         ),
     }
@@ -194,25 +203,28 @@ def make_moe_layers() -> tuple[list[dict], list[dict]]:
     return layers, layers_fp8
 
 
-def moe_layer(x, layer):
-    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
-    return moe.moe_experts(x, weights, expert_ids, layer["gate_up"], layer["down"])
+def moe_layer(x, layer, plan: StepPlan | None = None):
+    plan = plan or step_plan()
+    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True, plan)
+    return moe.moe_experts(x, weights, expert_ids, layer["gate_up"], layer["down"], plan)
 
 
-def moe_layer_fp8(x, layer):
-    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
-    return moe_fp8.moe_experts_fp8(x, weights, expert_ids, *layer["args"])
+def moe_layer_fp8(x, layer, plan: StepPlan | None = None):
+    plan = plan or step_plan()
+    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True, plan)
+    return moe_fp8.moe_experts_fp8(x, weights, expert_ids, *layer["args"], plan)
 
 
 def moe_layer_loop(x, layer):
-    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
+    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True, step_plan())
     return loop_experts(x, weights, expert_ids, layer["gate_up"], layer["down"])
 
 
-def moe_layer_grouped(x, layer):
+def moe_layer_grouped(x, layer, plan: StepPlan | None = None):
     """Route + the grouped_mm path even where moe_experts would pick another (to compare under compile)."""
-    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
-    return moe._experts_grouped(x, weights, expert_ids, layer["gate_up"], layer["down"])
+    plan = plan or step_plan()
+    weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True, plan)
+    return moe._experts_grouped(x, weights, expert_ids, layer["gate_up"], layer["down"], plan.private_ops)
 
 
 def moe_stage_inputs(layers, layers_fp8, xs) -> list[dict]:
@@ -221,7 +233,7 @@ def moe_stage_inputs(layers, layers_fp8, xs) -> list[dict]:
     stages = []
     for j, x in enumerate(xs):
         layer = layers[j % NUM_LAYERS]
-        weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True)
+        weights, expert_ids = moe.route_softmax(F.linear(x, layer["router"]), TOP_K, True, step_plan())
         order, offs = moe.sort_by_expert(expert_ids, NUM_EXPERTS)
         x_sorted = x.index_select(0, order // TOP_K)
         hidden = compat.grouped_mm(x_sorted, layer["gate_up"].transpose(-2, -1), offs)
@@ -258,7 +270,7 @@ def moe_variants(layers, layers_fp8, xs, stages, num_tokens, use_compile):
 
     variants = {
         "stage: routing (router F.linear + softmax + top-k)": at(
-            lambda s: moe.route_softmax(F.linear(s["x"], s["layer"]["router"]), TOP_K, True)
+            lambda s: moe.route_softmax(F.linear(s["x"], s["layer"]["router"]), TOP_K, True, step_plan())
         ),
         "stage: sort + searchsorted int32 offsets": at(lambda s: moe.sort_by_expert(s["expert_ids"], NUM_EXPERTS)),
         "stage: sort + searchsorted, int16 keys": at(lambda s: sort_by_expert_int16(s["expert_ids"], NUM_EXPERTS)),
@@ -322,8 +334,8 @@ def scaled_grouped(fp8: dict, rows: str, weight: str) -> torch.Tensor:
 
 
 def compiled_layer(fn, xs, layers) -> Callable[[int], object]:
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
-    return lambda i: compiled(xs[i % NUM_INPUTS], layers[i % NUM_LAYERS])
+    compiled, plan = torch.compile(fn, fullgraph=True, dynamic=False), step_plan(traced=True)
+    return lambda i: compiled(xs[i % NUM_INPUTS], layers[i % NUM_LAYERS], plan)
 
 
 def bench_moe(num_tokens: int, layers, layers_fp8, copy_gbps: float, use_compile: bool, rows: list[dict]) -> None:
@@ -496,12 +508,12 @@ def sync_check(layers, layers_fp8) -> list[str]:
         "route_softmax + moe_experts": lambda: moe_layer(x, layers[0]),
         "route_softmax + moe_experts_fp8": lambda: moe_layer_fp8(x, layers_fp8[0]),
         "route_sigmoid_bias": lambda: moe.route_sigmoid_bias(
-            F.linear(x, layers[0]["router"]), torch.zeros(NUM_EXPERTS, device=DEVICE), TOP_K, True, 2.5
+            F.linear(x, layers[0]["router"]), torch.zeros(NUM_EXPERTS, device=DEVICE), TOP_K, True, 2.5, step_plan()
         ),
         "sample (all filters, penalties, bias, logprobs)": lambda: sampling.sample(logits, batch),
         "sample (greedy)": lambda: sampling.sample(logits, greedy),
         "fp8 quantize_activation + fp8_linear": lambda: fp8_linear(
-            *quantize_activation(x), *quantize_fp8_rowwise(layers[0]["router"]), None, torch.bfloat16
+            *quantize_activation(x), *quantize_fp8_rowwise(layers[0]["router"]), None, torch.bfloat16, step_plan()
         ),
         "build_sampling_batch (host->device, pinned)": lambda: sampling.build_sampling_batch(rows, VOCAB, DEVICE),
     }

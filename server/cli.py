@@ -193,7 +193,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(readable(f"  {line}"))
     if args.compile_probes:  # these compile on the device, so they take seconds to a minute
         from server.engine.device import select_dtype
-        from server.kernels.flex_decode import probe_compiled
+        from server.kernels.flex_probe import probe_compiled
 
         ok, why = probe_compiled(str(device), select_dtype("auto", device, None), 16)
         print(readable(f"    {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}"))

@@ -39,6 +39,25 @@ def make_engine(path, **kw):
     return Engine.from_pretrained(str(path), **{**ENGINE_KW, **kw})
 
 
+def replan(monkeypatch, eager: dict | None = None, compiled: dict | None = None) -> None:
+    """Engines built from now on run these plans: the engine's own (build.step_plans) with the given fields of
+    its eager and of its compiled plans (both compiled ones) changed."""
+    import dataclasses
+
+    from server.engine import build
+    from server.kernels.plan import StepPlans
+
+    own = build.step_plans
+
+    def plans(device, dtype) -> StepPlans:
+        base = own(device, dtype)
+        changed = {"eager": eager or {}, "compiled": compiled or {}, "compiled_layers_inline": compiled or {}}
+        return StepPlans(**{name: dataclasses.replace(getattr(base, name), **changes)
+                            for name, changes in changed.items()})
+
+    monkeypatch.setattr(build, "step_plans", plans)
+
+
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -19,7 +19,8 @@ import torch
 from server.compile.launch_wrapper import LaunchCompiled
 from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NULL_BLOCK
-from server.kernels import flex_decode, sampling
+from server.kernels import flex_probe, sampling
+from server.kernels.plan import StepPlan, StepPlans
 from server.models.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ def use_flex_at_batch_1(device: torch.device, dtype: torch.dtype, block_size: in
     every bucket, where flex needs a static batch and so one compile per bucket."""
     if device.type != "cuda" or not attention_only:
         return False
-    ok, reason = flex_decode.probe_compiled(str(device), dtype, block_size)
+    ok, reason = flex_probe.probe_compiled(str(device), dtype, block_size)
     log.info("decode attention at batch 1: %s (flex probe: %s); sdpa beyond", "flex" if ok else "sdpa", reason)
     return ok
 
@@ -110,16 +111,17 @@ class DecodeStep:
     state_layers: list | None  # hybrids: StateCache.layers
     rows: DecodeRows
     flex_at_batch_1: bool
+    plans: StepPlans
 
     def forward(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
-        return self._step(packed, last_token_ids, layers_inline=False)
+        return self._step(packed, last_token_ids, self.plans.compiled)
 
     def forward_layers_inline(self, packed: torch.Tensor, last_token_ids: torch.Tensor) -> torch.Tensor:
         """The step as inductor's C++ wrapper builds it: every decoder layer inlined (it cannot call a compiled
         region). A function of its own, so that its compiled code and guards are apart from `forward`'s."""
-        return self._step(packed, last_token_ids, layers_inline=True)
+        return self._step(packed, last_token_ids, self.plans.compiled_layers_inline)
 
-    def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, layers_inline: bool) -> torch.Tensor:
+    def _step(self, packed: torch.Tensor, last_token_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         rows = self.rows.unpack(packed)
         fed_ids = last_token_ids[rows.feed_rows.clamp(min=0)]
         input_ids, positions = torch.where(rows.feed_rows >= 0, fed_ids, rows.input_ids), rows.positions
@@ -131,10 +133,10 @@ class DecodeStep:
         # dynamo, so this test adds no guard.
         flex = self.flex_at_batch_1 and packed.shape[0] == 1
         meta = AttentionMetadata.for_decode(rows.slot_mapping, rows.block_tables, positions, flex, self.kv_layers[0],
-                                            layers_inline, **state)
-        hidden = self.model(input_ids, positions, meta, self.kv_layers)
-        logits = self.model.compute_logits(hidden)  # [num_seqs, vocab] float32
-        last_token_ids[: logits.shape[0]].copy_(sampling.greedy_ids(logits))
+                                            plan, **state)
+        hidden = self.model(input_ids, positions, meta, self.kv_layers, plan)
+        logits = self.model.compute_logits(hidden, plan)  # [num_seqs, vocab] float32
+        last_token_ids[: logits.shape[0]].copy_(sampling.greedy_ids(logits, plan.two_stage_argmax))
         return logits
 
 
@@ -145,11 +147,12 @@ class DecodeGraphs:
     argmax is written back to `last_token_ids` inside the graph, so a plain greedy step needs no kernel outside
     it."""
 
-    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool, state_cache=None, flex_at_batch_1: bool = False):
+    def __init__(self, model, kv_layers, device: torch.device, max_num_seqs: int, max_blocks_per_seq: int, graphs: bool,
+                 plans: StepPlans, state_cache=None, flex_at_batch_1: bool = False):
         # hybrids (state_cache: StateCache): each row carries its state slot too
         self.rows = DecodeRows(state_cache.scratch_slot if state_cache is not None else None)
         self.step = DecodeStep(model, kv_layers, state_cache.layers if state_cache is not None else None, self.rows,
-                               flex_at_batch_1)
+                               flex_at_batch_1, plans)
         self.device = device
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.block_counts = [4]

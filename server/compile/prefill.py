@@ -6,6 +6,8 @@ import torch
 import torch.fx.experimental._config as shape_config
 from torch import nn
 
+from server.kernels.plan import StepPlan
+
 
 class CompiledPrefill:
     """Prefill and mixed steps through torch.compile(dynamic=True) (EngineConfig.compile_prefill): one graph per
@@ -14,7 +16,8 @@ class CompiledPrefill:
     recompiles when they differ), and sizes 0/1 are not specialized (one graph serves one sequence or many; not
     for hybrids, see below)."""
 
-    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], size_oblivious: bool = True):
+    def __init__(self, model: nn.Module, cache_tensors: list[torch.Tensor], plan: StepPlan, size_oblivious: bool = True):
+        self.plan = plan  # the compiled plan: the same object every call, so dynamo's guards on it always pass
         for tensor in cache_tensors:
             torch._dynamo.mark_static(tensor)
         self._compiled = torch.compile(model, dynamic=True)
@@ -30,4 +33,4 @@ class CompiledPrefill:
         # background compile, the engine thread and the caller each compile on their own thread.
         with shape_config.patch(**self._shape_config), torch._dynamo.config.patch(
                 recompile_limit=self._recompile_limit):
-            return self._compiled(*args)
+            return self._compiled(*args, self.plan)

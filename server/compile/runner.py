@@ -12,12 +12,13 @@ from server.engine.model_runner import InFlightStep, KVCache, ModelRunner
 from server.engine.request import PLACEHOLDER
 from server.engine.scheduler import ScheduledChunk
 from server.kernels import sampling
+from server.kernels.plan import StepPlans
 
 
 class CompiledRunner(ModelRunner):
     def __init__(self, model, kv_cache: KVCache, device: torch.device, vocab_size: int, decode_graphs: DecodeGraphs,
-                 state_cache=None):
-        super().__init__(model, kv_cache, device, vocab_size, state_cache)
+                 state_cache, plans: StepPlans):
+        super().__init__(model, kv_cache, device, vocab_size, state_cache, plans)
         self.decode_graphs = decode_graphs
         # The seeded sampler is several times faster compiled than eager per step; greedy-only batches stay eager
         # (argmax).

@@ -36,6 +36,7 @@ from server.engine.scheduler import Scheduler
 from server.engine.steps import EagerSteps, Steps
 from server.kernels import compat
 from server.kernels.capabilities import REPORT_HINT
+from server.models.regions import compiled_layer_regions
 from server.models.tracing_shield import shield_from_tracing
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class CompiledSteps:
     def __init__(self, model, config: EngineConfig, parts: EngineParts, device: torch.device, dtype: torch.dtype,
                  max_model_len: int, compile_decode: bool, compile_prefill: bool):
         shield_from_tracing(model)  # eager steps may run while a background compile traces the model
+        compiled_layer_regions(model)  # decoder layers run as their step's plan says: eager, regions or inline
         self.model, self.config, self.parts = model, config, parts
         self.device, self.dtype, self.max_model_len = device, dtype, max_model_len
         self.eager = parts.runner
@@ -88,14 +90,16 @@ class CompiledSteps:
             blocks_per_seq = -(-self.max_model_len // config.cache.block_size)
             graphs = DecodeGraphs(model, parts.kv_cache.layers, self.device, config.scheduler.max_num_seqs, blocks_per_seq,
                                   config.compilation.cuda_graphs if config.compilation.cuda_graphs is not None else True,
-                                  state_cache=parts.state_cache, flex_at_batch_1=flex)
-            runner = CompiledRunner(model, parts.kv_cache, self.device, vocab_size, graphs, parts.state_cache)
+                                  parts.plans, state_cache=parts.state_cache, flex_at_batch_1=flex)
+            runner = CompiledRunner(model, parts.kv_cache, self.device, vocab_size, graphs, parts.state_cache,
+                                    parts.plans)
         else:
-            runner = ModelRunner(model, parts.kv_cache, self.device, vocab_size, parts.state_cache)
+            runner = ModelRunner(model, parts.kv_cache, self.device, vocab_size, parts.state_cache, parts.plans)
         if compile_prefill:
             states = parts.state_cache.layers if parts.state_cache is not None else []
             caches = list(parts.kv_cache.layers) + [t for layer in states for t in layer]
-            runner.forward_steps = CompiledPrefill(model, caches, size_oblivious=parts.state_cache is None)
+            runner.forward_steps = CompiledPrefill(model, caches, parts.plans.compiled,
+                                                   size_oblivious=parts.state_cache is None)
         return runner
 
     def _spec(self) -> dict | None:
@@ -173,9 +177,10 @@ class CompiledSteps:
         """Compile the prefill forms on a shadow runner: the same model and caches, `compiled_forward`, no decode
         graphs (so no write to the ids the serving steps feed from), every block the null block."""
         parts = self.parts
-        runner = ModelRunner(self.model, parts.kv_cache, self.device, self.model.args.vocab_size, parts.state_cache)
-        runner.forward_steps = compiled_forward if decode_through_prefill else PrefillForms(compiled_forward,
-                                                                                             self.model)
+        runner = ModelRunner(self.model, parts.kv_cache, self.device, self.model.args.vocab_size, parts.state_cache,
+                             parts.plans)
+        runner.forward_steps = (compiled_forward if decode_through_prefill
+                                else PrefillForms(compiled_forward, runner.eager_forward))
         scratch = parts.state_cache.scratch_slot if parts.state_cache is not None else None
         null_blocks = NullBlocks(parts.kv_manager.block_size, parts.kv_manager.num_usable_blocks, scratch)
         scheduler = Scheduler(parts.scheduler.config, null_blocks)

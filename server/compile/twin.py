@@ -82,7 +82,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     fakes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from server.kernels import flex_decode
+    from server.kernels import flex_probe
     from server.kernels.capabilities import capabilities
 
     device, dtype = torch.device(spec["device"]), getattr(torch, spec["dtype"])
@@ -93,7 +93,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":
-        flex_decode.probe_compiled(str(device), dtype, config.cache.block_size)
+        flex_probe.probe_compiled(str(device), dtype, config.cache.block_size)
     fill_caches_on_compile()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8"])

@@ -52,7 +52,7 @@ def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[objec
         if len(sizes) > 1:
             stages.append((f"the decode step of 2-{sizes[-1]} sequences", larger_batches))
     if warm_prefill is not None:
-        compiled_forward, runner.forward_steps = runner.forward_steps, runner.model
+        compiled_forward, runner.forward_steps = runner.forward_steps, runner.eager_forward
 
         def prefill() -> None:
             warm_prefill(compiled_forward)
@@ -66,13 +66,13 @@ def warm_up_stages(runner, max_gather_blocks: int, warm_prefill: Callable[[objec
 
 class PrefillForms:
     """The forward of prefill warm-up runs: `compiled` for steps with more than one token of some sequence, the
-    eager model for one token per sequence, which the serving runner sends to its compiled decode step."""
+    eager forward for one token per sequence, which the serving runner sends to its compiled decode step."""
 
-    def __init__(self, compiled, model):
-        self.compiled, self.model = compiled, model
+    def __init__(self, compiled, eager):
+        self.compiled, self.eager = compiled, eager
 
     def __call__(self, input_ids, positions, meta, kv_layers):
-        forward = self.model if meta.query_index.shape[1] == 1 else self.compiled
+        forward = self.eager if meta.query_index.shape[1] == 1 else self.compiled
         return forward(input_ids, positions, meta, kv_layers)
 
 

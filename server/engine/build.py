@@ -20,6 +20,7 @@ from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
 from server.kernels import compat, fp8
+from server.kernels.plan import StepPlans, step_plans
 from server.models.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class EngineParts:
     kv_manager: KVManager
     scheduler: Scheduler
     runner: ModelRunner  # the eager runner
+    plans: StepPlans  # the forms of the engine's eager and compiled steps
 
 
 def load_pretrained(config: EngineConfig, layout: Layout | None = None,
@@ -87,8 +89,9 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     kv_manager = KVManager(allocator, state_slots)
     limits = replace(config.scheduler, max_model_len=max_model_len)
     scheduler = Scheduler(limits, kv_manager)
-    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache)
-    return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner)
+    plans = step_plans(device, dtype)  # the forms eager and compiled steps run (server.kernels.plan)
+    runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache, plans)
+    return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, plans)
 
 
 def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,

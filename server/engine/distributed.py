@@ -156,7 +156,8 @@ def build_engine(spec: BuildSpec) -> RankEngine:
     model, tokenizer, device, dtype, max_model_len = spec.load(config, layout)
     parts = build_parts(model, config, device, dtype, max_model_len, agree_num_blocks=_fewest_over_ranks)
     runner_cls = LeaderRunner if layout.rank == 0 else FollowerRunner
-    parts.runner = runner_cls(layout, model, parts.kv_cache, device, model.args.vocab_size, parts.state_cache)
+    parts.runner = runner_cls(layout, model, parts.kv_cache, device, model.args.vocab_size, parts.state_cache,
+                              parts.plans)
     return model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts
 
 

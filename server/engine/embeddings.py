@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from server.engine.device import serialized_device_work
 from server.engine.types import InvalidRequestError, ModelLoadError
 from server.kernels.paged_attention import prefill_sdpa_backends
+from server.kernels.plan import StepPlan
 from server.models.base import ATTENTION, AttentionMetadata
 
 MODULES_FILE = "modules.json"
@@ -60,7 +61,7 @@ def check_embeddable(model: torch.nn.Module) -> None:
 
 
 @torch.inference_mode()
-def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.device) -> torch.Tensor:
+def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.device, plan: StepPlan) -> torch.Tensor:
     """Final hidden states `[num_tokens, hidden]` of one sequence, attending over its own K/V only. The K/V
     written on the way goes to a scratch block that every layer of one shape reuses."""
     num_tokens = len(token_ids)
@@ -80,7 +81,7 @@ def hidden_states(model: torch.nn.Module, token_ids: list[int], device: torch.de
     ]
     input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     with prefill_sdpa_backends(device):
-        return model(input_ids, positions, meta, caches)
+        return model(input_ids, positions, meta, caches, plan)
 
 
 def pool(hidden: torch.Tensor, pooling: Pooling) -> torch.Tensor:
@@ -109,8 +110,8 @@ def truncate(vector: list[float], dimensions: int | None, normalize: bool) -> li
     return [v / norm for v in head]
 
 
-def embed(model: torch.nn.Module, inputs, device: torch.device, pooling: Pooling | None, model_name: str,
-          prompts, dimensions: int | None = None) -> tuple[list[list[float]], int]:
+def embed(model: torch.nn.Module, inputs, device: torch.device, plan: StepPlan, pooling: Pooling | None,
+          model_name: str, prompts, dimensions: int | None = None) -> tuple[list[list[float]], int]:
     """Pooled embedding of each prompt (text or token ids; `inputs`: engine.inputs.Inputs), truncated to
     `dimensions` if given; -> (vectors, number of prompt tokens). Only for embedding checkpoints; runs while the
     engine is between steps."""
@@ -127,7 +128,7 @@ def embed(model: torch.nn.Module, inputs, device: torch.device, pooling: Pooling
                 f"input[{index}] is {len(ids)} tokens, more than this model's maximum context length of "
                 f"{inputs.max_model_len} tokens.", param="input", code="context_length_exceeded")
         with serialized_device_work(device):
-            vector = pool(hidden_states(model, ids, device), pooling).tolist()
+            vector = pool(hidden_states(model, ids, device, plan), pooling).tolist()
         vectors.append(truncate(vector, dimensions, pooling.normalize))
         num_tokens += len(ids)
     return vectors, num_tokens

@@ -262,7 +262,8 @@ class Engine:
 
     def embed(self, prompts: Sequence[str | Sequence[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """embeddings.embed of this engine's model: (vectors, number of prompt tokens)."""
-        return embed(self.model, self.inputs, self.device, self.pooling, self.model_name, prompts, dimensions)
+        return embed(self.model, self.inputs, self.device, self.runner.plans.eager, self.pooling, self.model_name,
+                     prompts, dimensions)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """float32 logits `[len, vocab]` of one full (chunked) prefill, for parity tests and perplexity."""

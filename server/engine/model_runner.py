@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from server.engine.request import PLACEHOLDER, Request
 from server.engine.scheduler import ScheduledChunk, SchedulerOutput
 from server.kernels import sampling
 from server.kernels.paged_attention import prefill_sdpa_backends
+from server.kernels.plan import StepPlans
 from server.kernels.streams import DeviceStreams, PendingCopy
 from server.models.base import AttentionMetadata
 
@@ -89,10 +91,13 @@ class ModelRunner:
 
     decode_graphs = None  # no compiled decode step (compile.runner.CompiledRunner has one)
 
-    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, state_cache=None):
+    def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device, vocab_size: int, state_cache,
+                 plans: StepPlans):
         self.state_cache = state_cache  # StateCache of a hybrid model, or None
         self.model = model
-        self.forward_steps = model  # prefill and mixed steps: the eager model, or a compiled form of it
+        self.plans = plans
+        self.eager_forward = functools.partial(model, plan=plans.eager)
+        self.forward_steps = self.eager_forward  # prefill and mixed steps: eager, or a compiled form (compile.prefill)
         self.kv_cache = kv_cache
         self.device = device
         self.vocab_size = vocab_size
@@ -126,8 +131,9 @@ class ModelRunner:
         self._feed_pending(input_ids, pending, prev)
         with prefill_sdpa_backends(self.device):
             hidden = self.forward_steps(input_ids, positions, meta, self.kv_cache.layers)  # [num_tokens, hidden]
-        step.all_logits = {rid: self.model.compute_logits(hidden[a:b]) for rid, (a, b) in logit_ranges.items()}
-        return self.model.compute_logits(hidden[sample_index]) if step.sample_chunks else None
+        plan = self.plans.eager
+        step.all_logits = {rid: self.model.compute_logits(hidden[a:b], plan) for rid, (a, b) in logit_ranges.items()}
+        return self.model.compute_logits(hidden[sample_index], plan) if step.sample_chunks else None
 
     @torch.inference_mode()
     def sample(self, queued: QueuedForward, token_bitmask: torch.Tensor | None = None) -> InFlightStep:

@@ -260,38 +260,18 @@ def _check_compile(device: torch.device) -> str:
 
 
 @torch.compiler.assume_constant_result
-def grouped_mm_ok(device: torch.device, dtype: torch.dtype, tracing: bool) -> bool:
-    """Traced code asks here (tracing=torch.compiler.is_compiling()): torch.compile keeps the answer as a constant."""
-    return capabilities(device).grouped_mm(dtype, tracing)
-
-
-@torch.compiler.assume_constant_result
-def fp8_grouped_ok(device: torch.device) -> bool:
-    return capabilities(device).fp8_grouped.ok
-
-
-@torch.compiler.assume_constant_result
-def fp8_rowwise_ok(device: torch.device, with_bias: bool) -> bool:
-    caps = capabilities(device)
-    return caps.fp8_rowwise_bias.ok if with_bias else caps.fp8_rowwise.ok
-
-
-@torch.compiler.assume_constant_result
-def fp8_weight_only_ok(device: torch.device) -> bool:
-    return capabilities(device).fp8_weight_only.ok
-
-
-@torch.compiler.assume_constant_result
 def fast_path_failed(device: torch.device, name: str) -> bool:
     return name in capabilities(device).runtime_failures
 
 
-def with_fallback(device: torch.device, name: str, fast: Callable[[], T], reference: Callable[[], T]) -> T:
-    """fast(), or reference() once fast has raised on this device. Traced code calls fast() as is: a failure
-    there fails the compile, and the engine then stays on its eager path, which comes back here."""
+def with_fallback(device: torch.device, name: str, fast: Callable[[], T], reference: Callable[[], T],
+                  catch: bool) -> T:
+    """fast(), or reference() once fast has raised on this device. `catch` (StepPlan.catch_fast_path_failures):
+    a failure of fast() switches to reference() with one warning. A traced step calls fast() as is: a failure
+    there fails the compile, and the engine then stays on its eager path, which catches it here."""
     if fast_path_failed(device, name):
         return reference()
-    if torch.compiler.is_compiling():
+    if not catch:
         return fast()
     try:
         return fast()

@@ -13,17 +13,18 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake as _is_fake
 
+from server.kernels import devices
 
-def _private(name: str, private: bool | None) -> bool:
-    """Whether to call torch.<name> instead of the public F op (None: only while torch.compile traces)."""
+
+def _private(name: str, private: bool) -> bool:
+    """Whether to call torch.<name> instead of the public F op: where asked (StepPlan.private_ops, the probe) and it
+    exists, or where only it exists."""
     if not hasattr(torch, name):
         return False
-    if not hasattr(F, name.lstrip("_")):
-        return True
-    return torch.compiler.is_compiling() if private is None else private
+    return private or not hasattr(F, name.lstrip("_"))
 
 
-def grouped_mm(mat_a, mat_b, offs, out_dtype=None, private: bool | None = None) -> torch.Tensor:
+def grouped_mm(mat_a, mat_b, offs, out_dtype=None, private: bool = False) -> torch.Tensor:
     """[sum M, K] x [G, K, N] with int32 group ends `offs` [G] -> [sum M, N]."""
     if _private("_grouped_mm", private):
         return torch._grouped_mm(mat_a, mat_b, offs=offs, out_dtype=out_dtype)
@@ -37,7 +38,7 @@ def scaled_mm_rowwise(
     scale_b: torch.Tensor,  # [1, N] float32
     bias: torch.Tensor | None,  # [N] in out_dtype
     out_dtype: torch.dtype,
-    private: bool | None = None,
+    private: bool = False,
 ) -> torch.Tensor:
     if _private("_scaled_mm", private):
         return torch._scaled_mm(a_fp8, b_fp8, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
@@ -52,7 +53,7 @@ def scaled_grouped_mm_rowwise(
     scale_b: torch.Tensor,  # [G, N] float32
     offs: torch.Tensor,  # [G] int32 group ends
     out_dtype: torch.dtype,
-    private: bool | None = None,
+    private: bool = False,
 ) -> torch.Tensor:
     if _private("_scaled_grouped_mm", private):
         return torch._scaled_grouped_mm(a_fp8, b_fp8, scale_a, scale_b, offs=offs, out_dtype=out_dtype)
@@ -68,11 +69,13 @@ def spellings(public: str) -> list[tuple[str, bool]]:
 
 def synchronize(device: torch.device | str) -> None:
     """Block the host until the device has finished its queued work (nothing to wait for on the CPU)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    if devices.is_host(device):
+        return
+    module = devices.device_module(device)
+    if module is torch.cuda:
+        module.synchronize(device)
+    else:
+        module.synchronize()
 
 
 def is_fake(tensor: torch.Tensor) -> bool:
@@ -147,7 +150,7 @@ def tune_generated_kernels(device: torch.device, fp8_weights: bool) -> None:
     over 1-byte FP8 rows leave about half the bandwidth unused. A model without them keeps the defaults: the tuning
     also turns its one-token matmuls into reductions, for more kernels per layer and no measured gain. Metal and
     C++ kernels have no such tuner. A compile child sets the same: the setting is part of inductor's cache key."""
-    if device.type == "cuda":
+    if devices.tunes_generated_kernels(device):
         import torch._inductor.config as inductor_config
 
         inductor_config.coordinate_descent_tuning = fp8_weights

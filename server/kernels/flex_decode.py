@@ -11,8 +11,6 @@ cache and compares it with the gathered SDPA reference before an engine may use 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 try:
@@ -24,14 +22,17 @@ except ImportError:  # pragma: no cover - torch without FlexAttention
 Q_BLOCK_SIZE = 128
 
 
-def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_slots: int):
+def decode_block_mask(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, num_slots: int,
+                      listed_blocks: bool):
     """BlockMask for one query per sequence at `positions [num_seqs]` over the blocks of `block_tables
     [num_seqs, max_blocks]`. Every block is listed as partial: with full blocks, torch's flex-decoding kernel
-    splits the whole physical cache length across its programs instead of the sequence's own blocks."""
+    splits the whole physical cache length across its programs instead of the sequence's own blocks.
+    `listed_blocks` (StepPlan.flex_listed_blocks: a compiled step) masks right on the listed blocks only, else on
+    the whole cache (eager)."""
     num_seqs, max_blocks = block_tables.shape
     num_cache_blocks = num_slots // block_size  # the mask's KV extent is its index rows' length: pad to the cache
     num_blocks = positions // block_size + 1  # [num_seqs]
-    if torch.compiler.is_compiling():
+    if listed_blocks:
         if not isinstance(num_seqs, int):  # torch would use its general kernel, which this mask is wrong for
             raise RuntimeError("flex decode attention needs a static batch size (DecodeGraphs marks it static)")
         visible = _listed_blocks_mask(block_tables, positions, block_size)
@@ -85,6 +86,7 @@ def flex_decode_attention(
     v_cache: torch.Tensor,
     block_mask,  # decode_block_mask(...) of this step, built once for all layers
     scale: float,
+    kv_tile: bool,  # StepPlan.flex_kv_tile: bound the kernel's KV tile by the cache block (the Triton kernel)
 ) -> torch.Tensor:
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     num_slots = num_blocks * block_size
@@ -92,44 +94,11 @@ def flex_decode_attention(
     values = v_cache.view(1, num_slots, kv_heads, head_dim).transpose(1, 2)
     out = flex_attention(
         q.unsqueeze(2), keys, values, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != kv_heads,
-        kernel_options=_kernel_options(block_size, q.device),
+        kernel_options=_kernel_options(block_size, kv_tile),
     )
     return out[:, :, 0]  # [num_seqs, heads, head_dim]
 
 
-def _kernel_options(block_size: int, device: torch.device) -> dict | None:
+def _kernel_options(block_size: int, kv_tile: bool) -> dict | None:
     """The Triton kernel's KV tile must divide the cache block (its sparse block); the CPU template picks its own."""
-    return {"BLOCK_N": min(block_size, 64)} if device.type == "cuda" else None
-
-
-@functools.cache
-def probe_compiled(device: str, dtype: torch.dtype, block_size: int) -> tuple[bool, str]:
-    """Compile flex decode on `device` (static batch 2, grouped heads, sequences over shuffled blocks ending in
-    partial blocks) and compare it with the gathered SDPA decode in fp32 -> (ok, reason). Once per process."""
-    from server.kernels.paged_attention import gathered_decode_attention
-
-    if flex_attention is None:
-        return False, f"torch {torch.__version__} has no FlexAttention"
-    gen = torch.Generator().manual_seed(0)
-    num_blocks, kv_heads, head_dim = 24, 2, 64
-    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen) for _ in range(2))
-    q = torch.randn(2, 2 * kv_heads, head_dim, generator=gen)
-    tables = (torch.randperm(num_blocks - 1, generator=gen)[:8] + 1).view(2, 4)
-    positions = torch.tensor([block_size + 2, 3 * block_size + block_size // 2])
-    scale = head_dim**-0.5
-    expected = gathered_decode_attention(q, k_cache, v_cache, tables, positions, scale)
-
-    def step(q, k_cache, v_cache, tables, positions):
-        mask = decode_block_mask(tables, positions, block_size, k_cache.shape[0] * block_size)
-        return flex_decode_attention(q, k_cache, v_cache, mask, scale)
-
-    try:
-        args = [t.to(device, dtype) for t in (q, k_cache, v_cache)] + [t.to(device) for t in (tables, positions)]
-        got = torch.compile(step, fullgraph=True, dynamic=False)(*args).float().cpu()
-    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here, and why
-        return False, f"compiling it failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    error = (got - expected).abs().max().item()
-    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
-    if not error <= tolerance:
-        return False, f"compiled, it is wrong here (max error {error:.3g} > {tolerance:g} against the reference)"
-    return True, f"compiled and right (max error {error:.2g})"
+    return {"BLOCK_N": min(block_size, 64)} if kv_tile else None

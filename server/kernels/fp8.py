@@ -12,7 +12,7 @@ quantization; inductor emits it as one reduction kernel (Triton on CUDA, Metal o
 the weight at least as fast as `scaled_mm` once CUDA's block sizes are tuned (compat.tune_generated_kernels) and
 saves the activation's quantization kernels, with or without CUDA graphs (docs/PERF.md, session 31). Eager it
 would materialize [M, N, K], so it runs only under torch.compile, where the probe found the FP8 widening on the
-device.
+device (StepPlan.fp8_weight_only).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from server.kernels import compat
-from server.kernels.capabilities import fast_path_failed, fp8_rowwise_ok, fp8_weight_only_ok, with_fallback
+from server.kernels.capabilities import fast_path_failed, with_fallback
 from server.kernels.gemv import stored
+from server.kernels.plan import StepPlan
 
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -63,21 +64,24 @@ def fp8_linear(
     w_scale: torch.Tensor,  # [N, 1] float32
     bias: torch.Tensor | None,  # [N] in out_dtype
     out_dtype: torch.dtype,
+    plan: StepPlan,
 ) -> torch.Tensor:
-    """(x_fp8 * x_scale) @ (w_fp8 * w_scale).T + bias -> [M, N] in out_dtype."""
-    device = x_fp8.device
+    """(x_fp8 * x_scale) @ (w_fp8 * w_scale).T + bias -> [M, N] in out_dtype: row-wise scaled_mm where the plan
+    has it (the bias fused where that runs too), else the reference."""
+    device, catch = x_fp8.device, plan.catch_fast_path_failures
 
     def scaled_mm(fused_bias: torch.Tensor | None) -> torch.Tensor:
-        return compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), fused_bias, out_dtype)
+        return compat.scaled_mm_rowwise(x_fp8, w_fp8.t(), x_scale, w_scale.view(1, -1), fused_bias, out_dtype,
+                                        plan.private_ops)
 
     def reference() -> torch.Tensor:
         return fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype)
 
-    if bias is not None and fp8_rowwise_ok(device, True) and not fast_path_failed(device, "fp8_rowwise_bias"):
-        return with_fallback(device, "fp8_rowwise_bias", lambda: scaled_mm(bias), reference)
-    if fp8_rowwise_ok(device, False):
+    if bias is not None and plan.fp8_rowwise_bias and not fast_path_failed(device, "fp8_rowwise_bias"):
+        return with_fallback(device, "fp8_rowwise_bias", lambda: scaled_mm(bias), reference, catch)
+    if plan.fp8_rowwise:
         unfused = (lambda: scaled_mm(None)) if bias is None else (lambda: scaled_mm(None) + bias)
-        return with_fallback(device, "fp8_rowwise", unfused, reference)
+        return with_fallback(device, "fp8_rowwise", unfused, reference, catch)
     return reference()
 
 
@@ -89,10 +93,10 @@ def fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, out_dtype):
     return out.to(out_dtype)
 
 
-def use_weight_only(device: torch.device, num_tokens) -> bool:
-    """Whether a linear reads its FP8 weight in the weight-only reduction: in a compiled step at one token, where
-    the device widens FP8 there."""
-    return torch.compiler.is_compiling() and num_tokens <= WEIGHT_ONLY_MAX_TOKENS and fp8_weight_only_ok(device)
+def use_weight_only(plan: StepPlan, num_tokens) -> bool:
+    """Whether a linear reads its FP8 weight in the weight-only reduction: at one token where the plan has the form
+    (StepPlan.fp8_weight_only: a compiled step, where the device widens FP8)."""
+    return plan.fp8_weight_only and num_tokens <= WEIGHT_ONLY_MAX_TOKENS
 
 
 def has_fp8_linears(model: nn.Module) -> bool:
@@ -157,14 +161,15 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
 
-    def forward(self, x: torch.Tensor, x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan,
+                x_quant: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; pass `x_quant = quantize_activation(x)` to share it between layers."""
         x_rows = x.reshape(-1, self.in_features)  # [M, K]
-        if x_quant is None and use_weight_only(x.device, x_rows.shape[0]):
+        if x_quant is None and use_weight_only(plan, x_rows.shape[0]):
             out = fp8_weight_only_linear(x_rows, self.weight, self.weight_scale, self.bias, self.out_dtype)
             return out.view(*x.shape[:-1], self.out_features)
         x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)
-        out = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype)
+        out = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype, plan)
         return out.view(*x.shape[:-1], self.out_features)
 
     @torch.no_grad()

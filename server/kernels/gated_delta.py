@@ -141,15 +141,16 @@ def recurrent_gated_delta_step(q, k, v, g, beta, state) -> tuple[torch.Tensor, t
     return o.unsqueeze(1).to(out_dtype), s
 
 
-def gated_delta_decode_(q, k, v, g, beta, state_t_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def gated_delta_decode_(q, k, v, g, beta, state_t_cache: torch.Tensor, slots: torch.Tensor,
+                        fused: bool) -> torch.Tensor:
     """Decode (L = 1) for rows whose states live transposed in `state_t_cache [num_slots, Hv, dv, dk]` (S^T) at
     `slots [B]`: returns o [B, 1, Hv, dv] and updates those states in place.
 
-    The cache holds S^T so that both products reduce over the contiguous dim. Compiled, it is written so
-    inductor reads each state once for both products and once for the update, fusing the slot gather into them
-    and writing back in place (index_put_ on the cache itself, as the KV write):
-    o = S_new^T q = exp(g) S^T q + (q.k) u. Eager, the batched mat-vec form plus one index_copy_."""
-    if not torch.compiler.is_compiling():
+    The cache holds S^T so that both products reduce over the contiguous dim. `fused` (StepPlan.fused_state_update:
+    a compiled step) is written so inductor reads each state once for both products and once for the update,
+    fusing the slot gather into them and writing back in place (index_put_ on the cache itself, as the KV write):
+    o = S_new^T q = exp(g) S^T q + (q.k) u. Else (eager) the batched mat-vec form plus one index_copy_."""
+    if not fused:
         out, new_state = recurrent_gated_delta_step(q, k, v, g, beta, state_t_cache[slots].transpose(-1, -2))
         state_t_cache.index_copy_(0, slots, new_state.transpose(-1, -2).to(state_t_cache.dtype))
         return out

@@ -5,7 +5,7 @@ At one token cuBLAS runs a linear with few outputs for its inputs (o_proj, down_
 GEMV plus a kernel that sums the splits; written as `(x * W).sum(-1)`, inductor lowers it to one reduction
 kernel that reads W once (Triton on CUDA), faster end to end with and without CUDA graphs (docs/PERF.md).
 MPS's GEMV behind F.linear is one kernel already, and keeps it. Eager, the product would materialize [M, N, K], so
-the form runs only under torch.compile.
+the form runs only under torch.compile: the step plan says where (StepPlan.row_reduction_linear).
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from server.kernels.plan import StepPlan
+
 
 class RowReductionLinear(nn.Linear):
-    """nn.Linear (same parameters and names) whose one-token product in a compiled step is one reduction where
-    the device's GEMM library would split K (`reduces_one_token`) and out_features <= in_features (the shapes it
-    splits)."""
+    """nn.Linear (same parameters and names) whose one-token product is one reduction where the plan says so
+    (StepPlan.row_reduction_linear: compiled, where the device's GEMM library would split K) and out_features <=
+    in_features (the shapes it splits)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and self.out_features <= self.in_features and reduces_one_token(x.device):
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        if plan.row_reduction_linear and self.out_features <= self.in_features:
             num_tokens = x.numel() // x.shape[-1]
             if isinstance(num_tokens, int) and num_tokens == 1:
                 return row_reduction_linear(x, self.weight, self.bias)
@@ -42,8 +44,3 @@ def stored(tensor: torch.Tensor) -> torch.Tensor:
     """The same values; under torch.compile, inductor stores `tensor` in a buffer (an as_strided view is a
     realization point) instead of inlining its expression into every reader."""
     return tensor.as_strided(tensor.shape, tensor.stride())
-
-
-def reduces_one_token(device: torch.device) -> bool:
-    """Whether one-token linears take the row reduction on `device`: where the GEMM library splits K (CUDA)."""
-    return device.type == "cuda"

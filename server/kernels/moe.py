@@ -11,15 +11,15 @@ Fast path (grouped_mm works for this device and dtype):
 fp32 accumulation instead of an index_add_ scatter (deterministic, no atomics). The routing weight is applied
 after `down`, as Hugging Face does.
 
-moe_experts picks, in order: inside torch.compile with few slots (T*k*4 <= E) and not on MPS, the gather-reduce
-path (it reads each chosen expert once, where grouped_mm pays for sorting and grouping a handful of slots);
-grouped_mm where the probe says it runs for this dtype (and, when tracing, that its shape function accepts it)
-and it has not failed on this device (capabilities.with_fallback); else gather + bmm (T*k <= E) or every token
-through every expert. All are sync-free.
+moe_experts picks, as the step plan says (server.kernels.plan): with few slots (T*k*4 <= E) where the plan has it
+(compiled, not on MPS), the gather-reduce path (it reads each chosen expert once, where grouped_mm pays for sorting
+and grouping a handful of slots); grouped_mm where the plan has it for this dtype (the probe found it, traced too
+when the step is) and it has not failed on this device (capabilities.with_fallback); else gather + bmm (T*k <= E)
+or every token through every expert. All are sync-free.
 
-Routing (route_softmax, route_sigmoid_bias) takes its top-k through `top_k_unsorted`: torch.topk eagerly, and
-inside torch.compile, where the decoder layer compiles once (torch >= 2.13), k rounds of max-then-mask, which
-inductor fuses into one kernel.
+Routing (route_softmax, route_sigmoid_bias) takes its top-k through `top_k_unsorted`: torch.topk, or where the
+plan says (StepPlan.fused_top_k: compiled, in a decoder layer compiled once as a region) k rounds of
+max-then-mask, which inductor fuses into one kernel.
 """
 
 from __future__ import annotations
@@ -30,34 +30,35 @@ import torch
 import torch.nn.functional as F
 
 from server.kernels import compat
-from server.kernels.capabilities import grouped_mm_ok, with_fallback
+from server.kernels.capabilities import with_fallback
 from server.kernels.gemv import stored
+from server.kernels.plan import StepPlan
 
 
 def route_softmax(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, fuse: bool = True
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, plan: StepPlan
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE routing: router_logits [T, E] -> (weights [T, k] in router_logits.dtype, expert_ids [T, k] int64).
 
     With renormalization the weights are the softmax of the k winning logits, which equals the full softmax
-    renormalized over them, and costs no softmax over all E nor a separate sum of the winners. `fuse`: see
-    fuses_top_k."""
+    renormalized over them, and costs no softmax over all E nor a separate sum of the winners."""
     # The winners are picked in the logits' own dtype: widening to fp32 keeps their order and would cost a kernel.
     if renormalize:
-        top_logits, expert_ids = top_k_unsorted(router_logits, top_k, fuse)
-        weights = winners_softmax(top_logits.float())
+        top_logits, expert_ids = top_k_unsorted(router_logits, top_k, plan.fused_top_k)
+        weights = winners_softmax(top_logits.float(), plan.pointwise_winners_softmax)
     else:
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # [T, E]
-        weights, expert_ids = top_k_unsorted(probs, top_k, fuse)
+        weights, expert_ids = top_k_unsorted(probs, top_k, plan.fused_top_k)
     return weights.to(router_logits.dtype), expert_ids
 
 
-def winners_softmax(top_logits: torch.Tensor) -> torch.Tensor:
-    """Softmax over each row's k winning logits [T, k] -> [T, k]. Compiled, the row's max and sum are pointwise
-    over its k columns, stored as [T, 1] values that a kernel of the token's shape computes (the FP8 experts' last
-    one: the weighted sum of the slots, the residual and the next norm), where softmax's reduction over the k
-    columns is a kernel of its own per layer. The weights stay an expression that their readers inline."""
-    if not torch.compiler.is_compiling() or top_logits.shape[-1] > MAX_FUSED_TOP_K:
+def winners_softmax(top_logits: torch.Tensor, pointwise: bool = False) -> torch.Tensor:
+    """Softmax over each row's k winning logits [T, k] -> [T, k]. `pointwise` (compiled steps): the row's max and
+    sum are pointwise over its k columns, stored as [T, 1] values that a kernel of the token's shape computes (the
+    FP8 experts' last one: the weighted sum of the slots, the residual and the next norm), where softmax's
+    reduction over the k columns is a kernel of its own per layer. The weights stay an expression that their
+    readers inline."""
+    if not pointwise or top_logits.shape[-1] > MAX_FUSED_TOP_K:
         return torch.softmax(top_logits, dim=-1)
     columns = top_logits.split(1, dim=-1)  # k of [T, 1]
     row_max = stored(functools.reduce(torch.maximum, columns))
@@ -71,38 +72,39 @@ def route_sigmoid_bias(
     expert_bias: torch.Tensor | None,
     top_k: int,
     renormalize: bool,
-    scaling: float = 1.0,
-    fuse: bool = True,
+    scaling: float,
+    plan: StepPlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LFM2-MoE routing: experts chosen by sigmoid + bias (fp32), weighted by the unbiased sigmoid (model dtype)."""
     scores = router_logits.sigmoid()  # [T, E] in the model dtype, as HF computes it
     if expert_bias is None:
-        weights, expert_ids = top_k_unsorted(scores, top_k, fuse)
+        weights, expert_ids = top_k_unsorted(scores, top_k, plan.fused_top_k)
     else:
-        expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k, fuse)[1]
+        expert_ids = top_k_unsorted(scores + expert_bias.float(), top_k, plan.fused_top_k)[1]
         weights = scores.gather(1, expert_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
     return weights * scaling, expert_ids
 
 
-def top_k_unsorted(scores: torch.Tensor, top_k: int, fuse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest along the last dim, in no promised order -> (values [T, k], ids [T, k] int64).
+def top_k_unsorted(scores: torch.Tensor, top_k: int, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest along the last dim, in no promised order -> (values [T, k], ids [T, k] int64). `fused`:
+    StepPlan.fused_top_k (see fuses_top_k).
 
     Slot order only changes the fp32 summation order of the combine, and sorting the winners costs a kernel."""
-    if not fuses_top_k(top_k, fuse):
+    if not fuses_top_k(top_k, fused):
         return torch.topk(scores, top_k, dim=-1, sorted=False)
     values, ids = _top_k_rounds(scores, top_k)
     return torch.cat(values, dim=-1), torch.cat(ids, dim=-1)
 
 
-def fuses_top_k(top_k: int, fuse: bool = True) -> bool:
-    """Inside torch.compile, k rounds of max-then-mask trace to reductions over the same row, which inductor runs
-    as one kernel with whatever consumes the winners per row; torch.topk is a library call on every backend, a
-    kernel of its own per layer. Only where the decoder layer compiles once for all layers (`fuse`: the caller's
-    layer is such a region): generating that kernel is slow, and inline layers pay it once per layer (48 routers:
-    55 s instead of 18 s on the CPU)."""
-    return fuse and torch.compiler.is_compiling() and top_k <= MAX_FUSED_TOP_K and compat.regions_compile_once()
+def fuses_top_k(top_k: int, fused: bool) -> bool:
+    """Compiled, k rounds of max-then-mask trace to reductions over the same row, which inductor runs as one kernel
+    with whatever consumes the winners per row; torch.topk is a library call on every backend, a kernel of its own
+    per layer. Only where the decoder layer compiles once for all layers (`fused`, StepPlan.fused_top_k: the
+    caller's layer is such a region): generating that kernel is slow, and inline layers pay it once per layer
+    (48 routers: 55 s instead of 18 s on the CPU)."""
+    return fused and top_k <= MAX_FUSED_TOP_K
 
 
 def _top_k_rounds(scores: torch.Tensor, top_k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -127,13 +129,15 @@ def moe_experts(
     expert_ids: torch.Tensor,  # [T, k] int64
     gate_up: torch.Tensor,  # [E, 2I, H], rows 0..I-1 are the gate
     down: torch.Tensor,  # [E, H, I]
+    plan: StepPlan,
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * down[e] @ (silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H]."""
-    if use_gather_reduce(x.device, expert_ids, gate_up.shape[0]):
+    if use_gather_reduce(plan, expert_ids, gate_up.shape[0]):
         return _experts_gather_reduce(x, weights, expert_ids, gate_up, down)
-    if grouped_mm_ok(x.device, x.dtype, torch.compiler.is_compiling()):
-        return with_fallback(x.device, "grouped_mm", lambda: _experts_grouped(x, weights, expert_ids, gate_up, down),
-                             lambda: _experts_ungrouped(x, weights, expert_ids, gate_up, down))
+    if plan.grouped_mm:
+        return with_fallback(
+            x.device, "grouped_mm", lambda: _experts_grouped(x, weights, expert_ids, gate_up, down, plan.private_ops),
+            lambda: _experts_ungrouped(x, weights, expert_ids, gate_up, down), plan.catch_fast_path_failures)
     return _experts_ungrouped(x, weights, expert_ids, gate_up, down)
 
 
@@ -149,13 +153,13 @@ def few_slots(num_slots: int, num_experts: int) -> bool:
     return num_slots * 4 <= num_experts  # few_slots_only_at_fewest has its complement
 
 
-def use_gather_reduce(device: torch.device, expert_ids: torch.Tensor, num_experts: int) -> bool:
-    """Only inside torch.compile, and not on MPS: there the native grouped_mm is the measured path, and this
-    one is not measured on a Mac. `expert_ids`: [T, k]."""
-    if not torch.compiler.is_compiling() or device.type == "mps":
+def use_gather_reduce(plan: StepPlan, expert_ids: torch.Tensor, num_experts: int) -> bool:
+    """Where the plan has the form (StepPlan.moe_gather_reduce: compiled, not on MPS, where the native grouped_mm
+    is the measured path and this one is not measured on a Mac) and the step has few slots. `expert_ids`: [T, k]."""
+    if not plan.moe_gather_reduce:
         return False
     num_tokens, top_k = expert_ids.shape
-    if compat.regions_compile_once() and few_slots_only_at_fewest(num_tokens, top_k, num_experts):
+    if plan.regions_compile_once and few_slots_only_at_fewest(num_tokens, top_k, num_experts):
         return False
     return few_slots(num_tokens * top_k, num_experts)
 
@@ -197,12 +201,12 @@ def swiglu(gate_up_out: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up_out[..., :inter]) * gate_up_out[..., inter:]
 
 
-def _experts_grouped(x, weights, expert_ids, gate_up, down):
+def _experts_grouped(x, weights, expert_ids, gate_up, down, private: bool):
     top_k = expert_ids.shape[1]
     order, offs = sort_by_expert(expert_ids, gate_up.shape[0])
     x_sorted = x.index_select(0, order // top_k)  # [T*k, H]
-    hidden = compat.grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs)  # [T*k, 2I]
-    y_sorted = compat.grouped_mm(swiglu(hidden), down.transpose(-2, -1), offs)  # [T*k, H]
+    hidden = compat.grouped_mm(x_sorted, gate_up.transpose(-2, -1), offs, private=private)  # [T*k, 2I]
+    y_sorted = compat.grouped_mm(swiglu(hidden), down.transpose(-2, -1), offs, private=private)  # [T*k, H]
     return combine_slots(y_sorted, order, weights).to(x.dtype)
 
 

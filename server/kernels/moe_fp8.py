@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from server.kernels import compat
-from server.kernels.capabilities import fp8_grouped_ok, with_fallback
+from server.kernels.capabilities import with_fallback
 from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
 from server.kernels.moe import (
     combine_slots,
@@ -24,6 +24,7 @@ from server.kernels.moe import (
     token_slots,
     use_gather_reduce,
 )
+from server.kernels.plan import StepPlan
 
 
 def moe_experts_fp8(
@@ -34,23 +35,25 @@ def moe_experts_fp8(
     gate_up_scale: torch.Tensor,  # [E, 2I] float32
     down_q: torch.Tensor,  # [E, H, I] float8_e4m3fn
     down_scale: torch.Tensor,  # [E, H] float32
+    plan: StepPlan,
 ) -> torch.Tensor:
     """Same function as moe.moe_experts with gate_up = gate_up_q * scale[..., None], down likewise -> [T, H]."""
-    if use_gather_reduce(x.device, expert_ids, gate_up_q.shape[0]):
+    if use_gather_reduce(plan, expert_ids, gate_up_q.shape[0]):
         return _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     quantized = (gate_up_q, gate_up_scale, down_q, down_scale)
-    if fp8_grouped_ok(x.device):
-        return with_fallback(x.device, "fp8_grouped", lambda: _experts_scaled_grouped(x, weights, expert_ids, *quantized),
-                             lambda: _experts_dequantized(x, weights, expert_ids, *quantized))
-    return _experts_dequantized(x, weights, expert_ids, *quantized)
+    if plan.fp8_grouped:
+        return with_fallback(
+            x.device, "fp8_grouped", lambda: _experts_scaled_grouped(x, weights, expert_ids, *quantized, plan.private_ops),
+            lambda: _experts_dequantized(x, weights, expert_ids, *quantized, plan), plan.catch_fast_path_failures)
+    return _experts_dequantized(x, weights, expert_ids, *quantized, plan)
 
 
-def _experts_dequantized(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+def _experts_dequantized(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, plan):
     """Without an FP8 grouped kernel: the chosen experts dequantized (few slots), else all of them."""
     if expert_ids.numel() <= gate_up_q.shape[0]:
         return _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     gate_up = dequantize_experts(gate_up_q, gate_up_scale, x.dtype)
-    return moe_experts(x, weights, expert_ids, gate_up, dequantize_experts(down_q, down_scale, x.dtype))
+    return moe_experts(x, weights, expert_ids, gate_up, dequantize_experts(down_q, down_scale, x.dtype), plan)
 
 
 def dequantize_experts(weight_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -63,7 +66,7 @@ def _gather_fp8(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.uint8).index_select(0, index).view(tensor.dtype)
 
 
-def _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+def _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, private: bool):
     top_k = expert_ids.shape[1]
     order, offs = sort_by_expert(expert_ids, gate_up_q.shape[0])
     token_idx = order // top_k  # [T*k]
@@ -71,11 +74,11 @@ def _experts_scaled_grouped(x, weights, expert_ids, gate_up_q, gate_up_scale, do
     x_sorted = _gather_fp8(x_fp8, token_idx)
     scale_sorted = x_scale.view(-1).index_select(0, token_idx)  # [T*k]
     hidden = compat.scaled_grouped_mm_rowwise(
-        x_sorted, gate_up_q.transpose(-2, -1), scale_sorted, gate_up_scale, offs, x.dtype
+        x_sorted, gate_up_q.transpose(-2, -1), scale_sorted, gate_up_scale, offs, x.dtype, private
     )  # [T*k, 2I]
     act_fp8, act_scale = quantize_activation(swiglu(hidden))  # [T*k, I], [T*k, 1]
     y_sorted = compat.scaled_grouped_mm_rowwise(
-        act_fp8, down_q.transpose(-2, -1), act_scale.view(-1), down_scale, offs, x.dtype
+        act_fp8, down_q.transpose(-2, -1), act_scale.view(-1), down_scale, offs, x.dtype, private
     )  # [T*k, H]
     return combine_slots(y_sorted, order, weights).to(x.dtype)
 

@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from server.kernels import devices
 from server.kernels.flex_decode import flex_decode_attention
+from server.kernels.plan import StepPlan
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,18 +40,19 @@ def prefill_sdpa_backends(device: torch.device) -> contextlib.AbstractContextMan
     """The SDPA backends around every forward outside the compiled decode step (prefill, mixed and eager decode
     steps), whose shapes are new at almost every step (prompt and KV lengths vary). cuDNN attention builds a
     plan per new shape, which costs far more than the attention itself, so it is left out."""
-    if device.type != "cuda":
+    if not devices.has_cudnn_attention(device):
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+    plan: StepPlan,
 ) -> torch.Tensor:
     """Causal GQA attention of `q [num_tokens, heads, head_dim]` over each sequence's cached K/V (`k`, `v`:
     this step's own `[num_tokens, kv_heads, head_dim]`, enough when no sequence has earlier tokens)."""
     if meta.decode_block_mask is not None:
-        return flex_decode_attention(q, k_cache, v_cache, meta.decode_block_mask, scale)
+        return flex_decode_attention(q, k_cache, v_cache, meta.decode_block_mask, scale, plan.flex_kv_tile)
     if meta.fresh_prefill:
         return fresh_prefill_attention(q, k, v, meta, scale)
     if meta.is_decode:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from server.kernels import compat
+from server.kernels import compat, devices
 
 _M32 = 0xFFFFFFFF
 _MIX_A, _MIX_B = 0x7FEB352D, 0x68E31DA5  # odd, < 2**31: a 32-bit value times one never overflows int64
@@ -104,7 +104,7 @@ def _to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda" and not compat.is_fake(host):  # a fake (the compile child's twin) has nothing to pin
+    if devices.pins_host_memory(device) and not compat.is_fake(host):  # a fake (the compile child's twin) has nothing to pin
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
@@ -271,11 +271,11 @@ def _as_chunks(rows: torch.Tensor, num_chunks: int, pad_value: float) -> torch.T
     return F.pad(rows, (0, chunk_len * num_chunks - width), value=pad_value).view(num_rows, num_chunks, chunk_len)
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+def greedy_ids(logits: torch.Tensor, two_stage: bool) -> torch.Tensor:
     """The argmax of each row [B, V] -> [B], as the compiled decode step takes it: in two stages where a device
-    reduces a row's chunks in parallel; torch.argmax on the CPU, where a row is one thread's work either way and
-    torch 2.11's CPU code for the two stages picks wrong indices."""
-    return logits.argmax(dim=-1) if logits.device.type == "cpu" else two_stage_argmax(logits)
+    reduces a row's chunks in parallel (`two_stage`, StepPlan.two_stage_argmax); torch.argmax on the CPU, where a
+    row is one thread's work either way and torch 2.11's CPU code for the two stages picks wrong indices."""
+    return two_stage_argmax(logits) if two_stage else logits.argmax(dim=-1)
 
 
 def two_stage_argmax(logits: torch.Tensor, num_chunks: int = 64) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from server.kernels import devices
 from server.kernels.capabilities import capabilities, with_fallback
 
 
@@ -37,27 +38,23 @@ class DeviceStreams:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         probed = capabilities(self.device).streams.ok
-        self._module = getattr(torch, self.device.type) if probed else None
-        self._stream = with_fallback(self.device, "streams", self._new_stream, lambda: None) if probed else None
+        self._module = devices.device_module(self.device) if probed else None
+        self._stream = with_fallback(self.device, "streams", lambda: devices.new_stream(self.device), lambda: None,
+                                     catch=True) if probed else None
         self.enabled = self._stream is not None
-
-    def _new_stream(self):
-        if self.device.type == "cuda":
-            return self._module.Stream(device=self.device)
-        return self._module.Stream()
 
     def copy_to_host(self, tensor: torch.Tensor) -> PendingCopy:
         """Start copying `tensor` (already queued on the current stream) to the host; returns at once."""
-        if not self.enabled or tensor.device.type == "cpu":
+        if not self.enabled or devices.is_host(tensor.device):
             return _inline_copy(tensor)
         return with_fallback(self.device, "streams", lambda: self._side_stream_copy(tensor),
-                             lambda: _inline_copy(tensor))
+                             lambda: _inline_copy(tensor), catch=True)
 
     def _side_stream_copy(self, tensor: torch.Tensor) -> PendingCopy:
         module = self._module
         self._stream.wait_stream(module.current_stream())  # the copy must follow the kernels that wrote `tensor`
         with module.stream(self._stream):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=devices.pins_host_memory(self.device))
             host.copy_(tensor, non_blocking=True)
             event = module.Event()
             event.record()

@@ -3,8 +3,8 @@
 Modules: `AffineLinear` (and `AffineMergedLinear`, which keeps a fused projection's table), `AffineFusedExperts`
 (all experts of an MoE layer packed, [E, rows, K*bits/32]), `AffineEmbedding` and `AffineTiedHead` (an LM head
 that reads the quantized embedding table, as mlx's `as_linear`). Each holds its packed weight (`weight`, uint32),
-`scales` and `biases` (the model dtype) as buffers and a `form` attribute the step plan sets ("reference", the
-default, or the one-token "reduction": kernels/affine.py).
+`scales` and `biases` (the model dtype) as buffers; the step plan a product is called with picks its form (the
+reference, or one reduction over the packed weight where the step is compiled: kernels/affine.py).
 
 `swap_to_affine` replaces the modules a `QuantSpec` names, on the meta device, so that checkpoint tensors (packed
 ones from an MLX checkpoint, or float ones quantized as they stream in) fill them one at a time
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from server.kernels import affine
+from server.kernels.plan import StepPlan
 from server.models.layers import FusedExperts, MergedLinear
 
 # (a module's checkpoint source name in Hugging Face naming, e.g. "model.layers.0.self_attn.q_proj", or
@@ -64,7 +65,6 @@ class AffineLinear(_Packed):
         super().__init__()
         self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
         self.group_size, self.bits = fmt.group_size, fmt.bits
-        self.form = "reference"  # set by the step plan: kernels/affine.FORMS
         self._register_packed("", (out_features,), in_features, fmt, dtype, device)
 
     @classmethod
@@ -73,8 +73,9 @@ class AffineLinear(_Packed):
             raise ValueError("affine quantization of linears with a bias is not supported")
         return cls(linear.in_features, linear.out_features, fmt, dtype, linear.weight.device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return affine.affine_linear(x, *self.packed(), self.group_size, self.bits, None, self.form)
+    def forward(self, x: torch.Tensor, plan: StepPlan | None = None) -> torch.Tensor:
+        """`plan` None: a router, called as nn.Linear is (the reference form)."""
+        return affine.affine_linear(x, *self.packed(), self.group_size, self.bits, None, linear_form(x, plan))
 
     def dequantized(self) -> torch.Tensor:
         return affine.dequantize_affine(*self.packed(), self.group_size, self.bits)
@@ -111,7 +112,6 @@ class AffineTiedHead(nn.Module):
     def __init__(self, embedding: AffineEmbedding):
         super().__init__()
         self._embedding = (embedding,)  # not a child: its tensors are the embedding's, counted once
-        self.form = "reference"
 
     @property
     def weight(self) -> torch.Tensor:
@@ -121,9 +121,9 @@ class AffineTiedHead(nn.Module):
     def weight(self, value) -> None:
         pass
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         emb = self._embedding[0]
-        return affine.affine_linear(x, *emb.packed(), emb.group_size, emb.bits, None, self.form)
+        return affine.affine_linear(x, *emb.packed(), emb.group_size, emb.bits, None, linear_form(x, plan))
 
 
 class AffineFusedExperts(_Packed):
@@ -135,15 +135,15 @@ class AffineFusedExperts(_Packed):
         self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
         self.per_expert_names, self.shared_slot, self.fmt = experts.per_expert_names, experts.shared_slot, fmt
         self.group_size, self.bits = fmt.group_size, fmt.bits
-        self.form = "reference"
         num_experts, two_inter, hidden = experts.gate_up_proj.shape
         device = experts.gate_up_proj.device
         self._register_packed("gate_up_", (num_experts, two_inter), hidden, fmt, dtype, device)
         self._register_packed("down_", (num_experts, hidden), experts.intermediate_size, fmt, dtype, device)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        form = "reduction" if plan.affine_reduction else "reference"  # the reference syncs with the host
         return affine.affine_experts(x, weights, expert_ids, self.packed("gate_up_"), self.packed("down_"),
-                                     self.group_size, self.bits, self.form)
+                                     self.group_size, self.bits, form)
 
 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
@@ -203,15 +203,15 @@ def affine_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if isinstance(m, (_Packed, AffineTiedHead))}
 
 
-def set_form(model: nn.Module, form: str) -> None:
-    """Where the step plan picks the products' form (kernels/affine.FORMS) for every quantized module."""
-    if form not in affine.FORMS:
-        raise ValueError(f"unknown affine form {form!r}; one of {affine.FORMS}")
-    for module in affine_modules(model).values():
-        if hasattr(module, "form"):
-            module.form = form
-
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, module)
+
+
+def linear_form(x: torch.Tensor, plan: StepPlan | None) -> str:
+    """The product's form (kernels/affine.FORMS): one reduction over the packed weight for one token of a compiled
+    step, else the reference."""
+    num_tokens = x.numel() // x.shape[-1]
+    one_token = isinstance(num_tokens, int) and num_tokens == 1
+    return "reduction" if plan is not None and plan.affine_reduction and one_token else "reference"

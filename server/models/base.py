@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from server.kernels.flex_decode import decode_block_mask
+from server.kernels.plan import StepPlan
 from server.models.rope import rope_parameters
 
 ATTENTION = "full_attention"  # the layer type of attention layers; any other type keeps a per-sequence state
@@ -62,22 +63,22 @@ class AttentionMetadata:
     is_decode: bool = False  # one token per sequence: rows of the flat batch are the sequences
     decode_block_mask: Any = None  # flex decode attention: the step's FlexAttention BlockMask (else SDPA)
     fresh_prefill: bool = False  # every sequence starts at position 0: attention needs only the step's own K/V
-    layers_inline: bool = False  # trace every decoder layer inline, none as a compiled region (layers.DecoderLayer)
 
     @classmethod
     def for_decode(cls, slot_mapping, block_tables, positions, flex: bool, kv_cache: torch.Tensor,
-                   layers_inline: bool = False, **state):
+                   plan: StepPlan, **state):
         """One token per sequence, rows in order. `kv_cache`: any attention layer's cache (all share the block
-        layout); with `flex` the step's BlockMask over it is built here, once for all layers."""
+        layout); with `flex` the step's BlockMask over it is built here, once for all layers, in the plan's form."""
         rows = torch.arange(positions.shape[0], device=positions.device)
         meta = cls(
             slot_mapping=slot_mapping, block_tables=block_tables, query_index=rows[:, None],
             query_positions=positions[:, None], token_rows=rows, token_cols=torch.zeros_like(rows),
-            is_decode=True, layers_inline=layers_inline, **state,
+            is_decode=True, **state,
         )
         if flex:
             num_blocks, block_size = kv_cache.shape[:2]
-            meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size)
+            meta.decode_block_mask = decode_block_mask(block_tables, positions, block_size, num_blocks * block_size,
+                                                       plan.flex_listed_blocks)
         return meta
 
 

@@ -20,12 +20,15 @@ from server.kernels import gated_delta
 from server.kernels import moe as moe_ops
 from server.kernels.gemv import RowReductionLinear
 from server.kernels.paged_attention import paged_attention, write_kv
+from server.kernels.plan import StepPlan
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.layers import (
     Attention,
     CausalLM,
+    DecoderLayer,
     FusedExperts,
     GatedMLP,
+    Linear,
     MergedLinear,
     RMSNorm,
     apply_rope,
@@ -64,22 +67,22 @@ class ShortConv(nn.Module):
     def __init__(self, hidden_size: int, kernel_size: int):
         super().__init__()
         self.hidden_size, self.kernel_size = hidden_size, kernel_size
-        self.in_proj = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.in_proj = Linear(hidden_size, 3 * hidden_size, bias=False)
         self.conv = nn.Conv1d(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=False)  # weight only
         self.out_proj = RowReductionLinear(hidden_size, hidden_size, bias=False)
 
     def state_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype | None]]:
         return [((self.hidden_size, self.kernel_size - 1), None)]  # conv state of B*x, model dtype
 
-    def forward(self, x, rope, meta: AttentionMetadata, state) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, state, plan: StepPlan) -> torch.Tensor:
         (conv_cache,) = state
-        b, c, xx = self.in_proj(x).chunk(3, dim=-1)
+        b, c, xx = self.in_proj(x, plan).chunk(3, dim=-1)
         slots = meta.state_slots
         y, new_state = gated_delta.causal_conv1d(
             _padded(b * xx, meta), self.conv.weight.squeeze(1), conv_cache[slots], meta.query_lens
         )
         conv_cache.index_copy_(0, slots, new_state)
-        return self.out_proj(c * _flat(y, meta))
+        return self.out_proj(c * _flat(y, meta), plan)
 
 
 class GatedRMSNorm(nn.Module):
@@ -125,10 +128,10 @@ class GatedDeltaNet(nn.Module):
             ((self.num_v_heads, self.v_dim, self.k_dim), torch.float32),  # recurrent state, stored as S^T
         ]
 
-    def forward(self, x, rope, meta: AttentionMetadata, state) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, state, plan: StepPlan) -> torch.Tensor:
         conv_cache, recurrent_cache = state
         num_tokens, slots = x.shape[0], meta.state_slots
-        qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], -1)
+        qkv, z, b, a = self.in_proj(x, plan).split([self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], -1)
         qkv, new_conv = gated_delta.causal_conv1d(
             _padded(qkv, meta), self.conv1d.weight.squeeze(1), conv_cache[slots], meta.query_lens
         )
@@ -145,13 +148,30 @@ class GatedDeltaNet(nn.Module):
             valid = _valid_mask(meta, max_q_len)[..., None]
             beta, g = beta * valid, g * valid
         if meta.is_decode:
-            out = gated_delta.gated_delta_decode_(q, k, v, g, beta, recurrent_cache, slots)
+            out = gated_delta.gated_delta_decode_(q, k, v, g, beta, recurrent_cache, slots, plan.fused_state_update)
         else:
             state = recurrent_cache[slots].transpose(-1, -2)  # the cache holds S^T: see gated_delta_decode_
             out, new_state = gated_delta.gated_delta_rule(q, k, v, g, beta, state)
             recurrent_cache.index_copy_(0, slots, new_state.transpose(-1, -2))
         out = self.norm(_flat(out, meta), z.view(num_tokens, self.num_v_heads, self.v_dim))
-        return self.out_proj(out.reshape(num_tokens, self.value_size))
+        return self.out_proj(out.reshape(num_tokens, self.value_size), plan)
+
+
+def gated_hybrid_layer(args, layer_type: str, ffn: nn.Module, make_norm) -> DecoderLayer:
+    """A Qwen3.5 / Qwen3-Next decoder layer: gated attention (ATTENTION) or Gated DeltaNet, then `ffn`, under the
+    checkpoint's names. `args`: the model's ModelArgs (the Qwen3.5 fields)."""
+    if layer_type == ATTENTION:
+        name = "self_attn"
+        mixer = GatedAttention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.rms_norm_eps
+        )
+    else:
+        name = "linear_attn"
+        mixer = GatedDeltaNet(
+            args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
+            args.linear_value_head_dim, args.linear_conv_kernel_dim, args.rms_norm_eps,
+        )
+    return DecoderLayer(("input_layernorm", name, "post_attention_layernorm", "mlp"), mixer, ffn, make_norm)
 
 
 def split_grouped_projections(name: str, tensor: torch.Tensor, num_k_heads: int, k_dim: int, v_dim: int, ratio: int):
@@ -187,23 +207,23 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps, zero_centered=True)
         self.k_norm = RMSNorm(head_dim, eps, zero_centered=True)
 
-    def forward(self, x, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache, plan: StepPlan) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_gate, k, v = self.qkv_proj(x, plan).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q, k = self._norm_rope_qk(q, k.view(num_tokens, self.num_kv_heads, self.head_dim), rope)
+        q, k = self._norm_rope_qk(q, k.view(num_tokens, self.num_kv_heads, self.head_dim), rope, plan)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5, plan)  # [tokens, heads, head_dim]
         out = out * torch.sigmoid(gate)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), plan)
 
-    def _norm_rope_qk(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_rope_qk(self, q: torch.Tensor, k: torch.Tensor, rope, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """q_norm, k_norm, then RoPE, on the q and k heads as one tensor: one kernel for both in the compiled step
         where each took kernels of its own (q lies between the gates in q_proj's rows: joining it to k copies)."""
         qk = torch.cat((q, k), dim=1)  # [num_tokens, heads + kv_heads, head_dim]
         normed = norm_q_and_k_heads(qk, self.q_norm, self.k_norm, self.num_heads)
-        return apply_rope(normed, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        return apply_rope(normed, *rope, plan.partial_rope_whole_head).split([self.num_heads, self.num_kv_heads], dim=1)
 
 
 class SharedExpertMoE(nn.Module):
@@ -214,8 +234,6 @@ class SharedExpertMoE(nn.Module):
     (`experts.shared_slot`, filled from `shared_expert.*`: the model's `sanitize` renames them), and every token
     routes to it with that weight: its FFN then runs inside the routed experts' kernels instead of three of its
     own per layer. Otherwise it is a GatedMLP beside them."""
-
-    routes_top_k = True  # as layers.SoftmaxMoE
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, shared_size: int, renormalize: bool):
         super().__init__()
@@ -229,19 +247,20 @@ class SharedExpertMoE(nn.Module):
             self.shared_expert = GatedMLP(hidden_size, shared_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
-        shared_weight = torch.sigmoid(self._shared_gate_logit(x))  # [T, 1]
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, plan)
+        shared_weight = torch.sigmoid(self._shared_gate_logit(x, plan.shared_gate_reduction))  # [T, 1]
         if self.shared_expert is not None:
-            return self.experts(x, weights, expert_ids) + shared_weight * self.shared_expert(x)
+            return self.experts(x, weights, expert_ids, plan) + shared_weight * self.shared_expert(x, plan)
         shared_ids = torch.full_like(expert_ids[:, :1], self.experts.shared_slot)  # [T, 1]
         return self.experts(x, torch.cat((weights, shared_weight.to(weights.dtype)), dim=-1),
-                            torch.cat((expert_ids, shared_ids), dim=-1))
+                            torch.cat((expert_ids, shared_ids), dim=-1), plan)
 
-    def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
-        """shared_expert_gate(x) [T, 1]. Compiled, a reduction over the hidden size that inductor generates with
-        its neighbours, where a one-row linear is a BLAS call of its own (a dot and its reduction on CUDA)."""
-        if not torch.compiler.is_compiling():
+    def _shared_gate_logit(self, x: torch.Tensor, reduction: bool) -> torch.Tensor:
+        """shared_expert_gate(x) [T, 1]. `reduction` (StepPlan.shared_gate_reduction: compiled): a reduction over
+        the hidden size that inductor generates with its neighbours, where a one-row linear is a BLAS call of its
+        own (a dot and its reduction on CUDA)."""
+        if not reduction:
             return self.shared_expert_gate(x)
         return (x.float() * self.shared_expert_gate.weight.float()).sum(-1, keepdim=True).to(x.dtype)
 
@@ -267,8 +286,6 @@ _SHARED_EXPERT_RE = re.compile(r"^(?P<mlp>model\.layers\.\d+\.mlp)\.shared_exper
 class SigmoidBiasMoE(nn.Module):
     """LFM2-MoE: sigmoid router in the model dtype; the fp32 `expert_bias` buffer only picks the experts."""
 
-    routes_top_k = True  # as layers.SoftmaxMoE
-
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool, scaling: float, use_bias: bool):
         super().__init__()
         self.top_k, self.renormalize, self.scaling = top_k, renormalize, scaling
@@ -283,11 +300,11 @@ class SigmoidBiasMoE(nn.Module):
         if self.use_bias:
             self.expert_bias = torch.zeros(self.expert_bias.shape, dtype=torch.float32, device=self.expert_bias.device)
 
-    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         bias = self.expert_bias if self.use_bias else None
         weights, expert_ids = moe_ops.route_sigmoid_bias(self.gate(x), bias, self.top_k, self.renormalize, self.scaling,
-                                                        fuse_top_k)
-        return self.experts(x, weights, expert_ids)
+                                                        plan)
+        return self.experts(x, weights, expert_ids, plan)
 
 
 class HybridModel(CausalLM):
@@ -295,6 +312,7 @@ class HybridModel(CausalLM):
     and the norms; `state_shapes()` lists the state layers (meta.state_caches align with them)."""
 
     ignored_prefixes: tuple[str, ...] = ()  # checkpoint parts that are not the text model (vision, MTP)
+    shared_expert_slots = False  # SharedExpertMoE layers: their shared expert's tensors go to the experts' last slot
 
     def __init__(self, args):
         layer_types = args.layer_types
@@ -316,7 +334,8 @@ class HybridModel(CausalLM):
         return [self.mixer(i).state_shapes() for i, t in enumerate(self.model.layer_types) if t != ATTENTION]
 
     def sanitize(self, name: str) -> str | None:
-        """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts)."""
+        """Checkpoint name -> ours; None skips it (rotary buffers, a tied lm_head, vision / MTP parts); a shared
+        expert kept as the experts' last slot is renamed to it (`shared_expert_slots`)."""
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model.") :]
         for prefix in self.ignored_prefixes:
@@ -325,12 +344,22 @@ class HybridModel(CausalLM):
                     self._skipped_logged.add(prefix)
                     log.info("ignoring checkpoint tensors %s* (not part of the text model)", prefix)
                 return None
-        return super().sanitize(name)
+        name = super().sanitize(name)
+        if name is not None and self.shared_expert_slots:
+            name = shared_expert_slot_name(name, self.args)
+        return name
 
 
-def lfm2_attention(hidden_size: int, num_heads: int, num_kv_heads: int, eps: float) -> Attention:
-    """LFM2 attention: the shared GQA layer with q/k_layernorm (plain RMSNorm) and `out_proj`."""
-    return Attention(
-        hidden_size, num_heads, num_kv_heads, hidden_size // num_heads, qk_norm_eps=eps,
-        o_proj_name="out_proj", q_norm_name="q_layernorm", k_norm_name="k_layernorm",
-    )
+def lfm2_layer(args, layer_type: str, ffn: nn.Module, make_norm) -> DecoderLayer:
+    """An LFM2 decoder layer: attention (ATTENTION) or the short conv, then `ffn`, under the checkpoint's names.
+    LFM2 attention is the shared GQA layer with q/k_layernorm (plain RMSNorm) and `out_proj`. `args`: the model's
+    ModelArgs (the LFM2 fields)."""
+    if layer_type == ATTENTION:
+        name = "self_attn"
+        mixer = Attention(
+            args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+            qk_norm_eps=args.norm_eps, o_proj_name="out_proj", q_norm_name="q_layernorm", k_norm_name="k_layernorm",
+        )
+    else:
+        name, mixer = "conv", ShortConv(args.hidden_size, args.conv_L_cache)
+    return DecoderLayer(("operator_norm", name, "ffn_norm", "feed_forward"), mixer, ffn, make_norm)

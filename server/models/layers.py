@@ -3,20 +3,25 @@ decoder they make up (`DecoderLayer`, `DecoderStack`, `CausalLM`).
 
 Attribute names follow Hugging Face so weight loading is an identity map plus the fusion table that
 `MergedLinear.source_names` and `FusedExperts` declare.
+
+Every forward takes the step plan (server.kernels.plan.StepPlan) as its last argument and hands it down: which
+form an op runs is the plan's to say, not the layer's (the same model serves eager and compiled steps at once).
+Projections are called `proj(x, plan)` (`Linear`); routers stay plain `nn.Linear`, which the FP8 swap skips.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.kernels import compat
 from server.kernels import moe as moe_ops
 from server.kernels.gemv import RowReductionLinear, stored
 from server.kernels.paged_attention import paged_attention, write_kv
+from server.kernels.plan import StepPlan
 from server.models.base import ATTENTION, AttentionMetadata
 from server.models.rope import rope_attention_factor, rope_inv_freq
 
@@ -49,7 +54,15 @@ def norm_q_and_k_heads(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q
     return weight * F.rms_norm(qk, qk.shape[-1:], None, q_norm.eps)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear called as every projection is, `proj(x, plan)`: a plain GEMM has no form to choose; the FP8 and
+    row-reduction linears that take its place read the plan."""
+
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """Several checkpoint projections stored as one weight (rows concatenated), read with one GEMM.
 
     `source_names[i]` is the checkpoint module name of the i-th row block; the loader fills the block.
@@ -101,10 +114,11 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)  # [num_tokens, rot_dim]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first `cos.shape[-1]` dims of each head (partial rotary passes the rest)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, whole_head: bool = False) -> torch.Tensor:
+    """Rotate-half RoPE on the first `cos.shape[-1]` dims of each head (partial rotary passes the rest). `whole_head`
+    (StepPlan.partial_rope_whole_head): partial rotary as one expression over the whole head."""
     rot_dim = cos.shape[-1]
-    if rot_dim < x.shape[-1] and torch.compiler.is_compiling():
+    if rot_dim < x.shape[-1] and whole_head:
         return _apply_partial_rope_whole_head(x, cos, sin)
     x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
     half = rot_dim // 2
@@ -159,18 +173,20 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,  # [num_blocks, block_size, 2, kv_heads, head_dim]
+        plan: StepPlan,
     ) -> torch.Tensor:
         num_tokens, num_qk_heads = x.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(x).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, plan).view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)
         qk, v = qkv[:, :num_qk_heads], qkv[:, num_qk_heads:]  # [num_tokens, heads + kv_heads | kv_heads, head_dim]
         if self.has_qk_norm:
             qk = norm_q_and_k_heads(qk, getattr(self, self.q_norm_name), getattr(self, self.k_norm_name),
                                     self.num_heads)
         # q and k heads normed and rotated together: one kernel of the compiled step instead of one per tensor
-        q, k = apply_rope(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rope(qk, *rope, plan.partial_rope_whole_head).split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5)  # [num_tokens, heads, head_dim]
-        return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size))
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim**-0.5, plan)  # [tokens, heads, head_dim]
+        return getattr(self, self.o_proj_name)(out.reshape(num_tokens, self.q_size), plan)
+
 
 class GatedMLP(nn.Module):
     """SwiGLU `down(silu(gate(x)) * up(x))` with gate and up fused into one GEMM."""
@@ -182,9 +198,9 @@ class GatedMLP(nn.Module):
         self.down_name = down_name
         setattr(self, down_name, RowReductionLinear(intermediate_size, hidden_size, bias=False))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return getattr(self, self.down_name)(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, plan).chunk(2, dim=-1)
+        return getattr(self, self.down_name)(F.silu(gate) * up, plan)
 
 
 class FusedExperts(nn.Module):
@@ -204,14 +220,12 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.per_expert_names = per_expert_names
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        return moe_ops.moe_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        return moe_ops.moe_experts(x, weights, expert_ids, self.gate_up_proj, self.down_proj, plan)
 
 
 class SoftmaxMoE(nn.Module):
     """Qwen3-MoE block: softmax router in fp32, top-k, optional renormalization; no shared expert."""
-
-    routes_top_k = True  # its forward takes `fuse_top_k` (moe.fuses_top_k), which DecoderLayer decides
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
         super().__init__()
@@ -219,13 +233,14 @@ class SoftmaxMoE(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor, fuse_top_k: bool = True) -> torch.Tensor:
-        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, fuse_top_k)
-        return self.experts(x, weights, expert_ids)
+    def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        weights, expert_ids = moe_ops.route_softmax(self.gate(x), self.top_k, self.renormalize, plan)
+        return self.experts(x, weights, expert_ids, plan)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block `h = x + mixer(norm1(x)); out = h + ffn(norm2(h))` under the checkpoint's names."""
+    """Pre-norm block `h = x + mixer(norm1(x)); out = h + ffn(norm2(h))` under the checkpoint's names.
+    `traces_whole`: False where the mixer's multi-token form has a deliberate graph break (models.regions)."""
 
     def __init__(self, names: tuple[str, str, str, str], mixer: nn.Module, ffn: nn.Module, make_norm):
         super().__init__()
@@ -237,54 +252,18 @@ class DecoderLayer(nn.Module):
         setattr(self, ffn_name, ffn)
         self.traces_whole = getattr(mixer, "traces_whole", True)
 
-    def forward(self, x, rope, meta, cache):
-        """A layer that traces whole runs as a region compiled once for every layer. A step whose compiler inlines
-        its layers (`meta.layers_inline`, a trace-time constant: inductor's C++ wrapper) still calls the region
-        where torch inlines it after tracing (traced once, compiled per layer), else traces the layer inline. A
-        mixer's graph break (`traces_whole = False`) is in its multi-token form: every layer traces whole in
-        decode."""
-        if (self.traces_whole or meta.is_decode) and (not meta.layers_inline or _REGIONS_INLINE_AFTER_TRACING):
-            # A fused router top-k is slow to generate: worth it once per compiled region, not once per layer.
-            return _call_region(self, x, rope, meta, cache, fuse_top_k=not meta.layers_inline)
-        return _layer_forward(self, x, rope, meta, cache, fuse_top_k=False)
+    def forward(self, x, rope, meta, cache, plan: StepPlan):
+        norm1, mixer, norm2, ffn = (getattr(self, name) for name in self.names)
+        h = x + mixer(norm1(x), rope, meta, cache, plan)
+        # stored: else an FFN whose readers of it compile to reductions (an MoE block's router, experts and shared
+        # gate) recomputes the norm inside each of them, per output row
+        return h + ffn(stored(norm2(h)), plan)
 
 
-def _layer_forward(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
-    norm1, mixer, norm2, ffn = (getattr(layer, n) for n in layer.names)
-    h = x + mixer(norm1(x), rope, meta, cache)
-    # stored: else an FFN whose readers of it compile to reductions (an MoE block's router, experts and shared
-    # gate) recomputes the norm inside each of them, per output row
-    ffn_in = stored(norm2(h))
-    return h + (ffn(ffn_in, fuse_top_k) if getattr(ffn, "routes_top_k", False) else ffn(ffn_in))
-
-
-_META_FIELDS = tuple(field.name for field in dataclasses.fields(AttentionMetadata))
-_REGIONS_INLINE_AFTER_TRACING = compat.regions_inline_after_tracing()  # read once: forward runs while tracing
-
-
-def _call_region(layer: DecoderLayer, x, rope, meta, cache, fuse_top_k: bool):
-    """The region takes only leaves (tensors, constants, the layer): dynamo fingerprints those directly to find
-    the region it already traced, where a nested argument makes it trace pytree's flatten at every layer's call
-    (a third of a warm start). A state layer's cache is a tuple of tensors, an attention layer's one tensor."""
-    if not torch.compiler.is_compiling():  # eager, the region is a plain call: no metadata rebuilt per layer
-        return _layer_forward(layer, x, rope, meta, cache, fuse_top_k)
-    caches = cache if isinstance(cache, tuple) else (cache,)
-    fields = tuple(getattr(meta, name) for name in _META_FIELDS)
-    return _layer_region(layer, x, fuse_top_k, isinstance(cache, tuple), len(caches), *rope, *caches, *fields)
-
-
-def _region_forward(layer: DecoderLayer, x, fuse_top_k: bool, cache_is_tuple: bool, num_caches: int, cos, sin,
-                    *caches_and_fields):
-    caches, fields = caches_and_fields[:num_caches], caches_and_fields[num_caches:]
-    cache = tuple(caches) if cache_is_tuple else caches[0]
-    return _layer_forward(layer, x, (cos, sin), AttentionMetadata(*fields), cache, fuse_top_k)
-
-
-# Compiled once per distinct layer graph and stamped out for every layer that traces the same (an eager no-op):
-# compile time stops growing with depth, and no fusion is lost at the boundary, whose only neighbours are the
-# residual add before it and the next norm's reduction after it. A region must trace whole: a mixer with a
-# deliberate graph break (traces_whole = False) runs its layers inline outside the decode step.
-_layer_region = compat.compile_region(_region_forward)
+def call_layer(layer: nn.Module, x, rope, meta, cache, plan: StepPlan):
+    """A decoder layer's call as a plain function: DecoderStack's `layer_call` until whoever compiles the model
+    puts compiled regions in its place (models.regions.compiled_layer_regions)."""
+    return layer(x, rope, meta, cache, plan)
 
 
 def layer_metadata(meta: AttentionMetadata) -> AttentionMetadata:
@@ -294,13 +273,24 @@ def layer_metadata(meta: AttentionMetadata) -> AttentionMetadata:
     return meta if meta.state_caches is None else dataclasses.replace(meta, state_caches=None)
 
 
+def attention_decoder_layer(args, ffn: nn.Module, make_norm, qk_norm: bool) -> DecoderLayer:
+    """A Llama-style decoder layer: GQA attention (with per-head q/k RMSNorm where `qk_norm`: Qwen3), then `ffn`,
+    under the checkpoint's names. `args`: the model's ModelArgs (the Llama fields)."""
+    attention = Attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim,
+                          qk_norm_eps=args.rms_norm_eps if qk_norm else None)
+    return DecoderLayer(("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"), attention, ffn, make_norm)
+
+
 class DecoderStack(nn.Module):
     """`model.*` in HF naming: embed_tokens, layers, the final norm (`norm`, or `embedding_norm` in LFM2) and the
     rotary embedding; forward runs embed -> rope -> layers -> final norm.
 
     Layer i of type ATTENTION gets its KV cache from `kv_caches`, any other its state from `meta.state_caches`;
-    each list holds its kind of layer in layer order.
+    each list holds its kind of layer in layer order. Each layer runs through `layer_call` (call_layer, or the
+    compiled regions of models.regions).
     """
+
+    layer_call: Callable = staticmethod(call_layer)
 
     def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], layer_types: list[str],
                  rotary_emb: RotaryEmbedding, final_norm: nn.Module, final_norm_name: str):
@@ -322,42 +312,47 @@ class DecoderStack(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per attention layer: [num_blocks, block_size, 2, kv_heads, head_dim]
+        plan: StepPlan,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb(positions, x.dtype)
         state_caches, meta = meta.state_caches, layer_metadata(meta)
         for layer, layer_type, index in zip(self.layers, self.layer_types, self.cache_index, strict=True):
             cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
-            x = layer(x, rope, meta, cache)
+            x = self.layer_call(layer, x, rope, meta, cache, plan)
         return getattr(self, self.final_norm_name)(x)  # [num_tokens, hidden]
 
 
 class CausalLM(nn.Module):
     """Decoder-only LM over the paged KV cache: `model` (a DecoderStack) and an `lm_head` (maybe tied to the
-    embedding). Architectures build the layers (`make_layer`) and norms (`make_norm`) under their checkpoint's
-    names; forward() returns hidden states, compute_logits() the logits."""
+    embedding). Architectures build the layers (`make_layer`) under their checkpoint's names, and the norms
+    (`make_norm`: RMSNorm of `args.rms_norm_eps`, `zero_centered_norms` as the architecture says); forward() returns
+    hidden states, compute_logits() the logits. Layers are all attention unless `layer_types` says otherwise."""
 
     final_norm_name = "norm"
+    zero_centered_norms = False
 
-    def __init__(self, args, layer_types: list[str]):
+    def __init__(self, args, layer_types: list[str] | None = None):
         super().__init__()
         self.args = args
+        layer_types = layer_types if layer_types is not None else [ATTENTION] * args.num_hidden_layers
         layers = [self.make_layer(i, t) for i, t in enumerate(layer_types)]
         rotary_emb = RotaryEmbedding(args.head_dim, args.rope_parameters)
         self.model = DecoderStack(
             args.vocab_size, args.hidden_size, layers, layer_types, rotary_emb, self.make_norm(), self.final_norm_name
         )
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
         raise NotImplementedError
 
     def make_norm(self) -> nn.Module:
-        raise NotImplementedError
+        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps, zero_centered=self.zero_centered_norms)
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches)  # [num_tokens, hidden]
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                plan: StepPlan) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches, plan)  # [num_tokens, hidden]
 
     def kv_cache_shapes(self) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each attention layer's KV cache, in layer order."""
@@ -377,5 +372,5 @@ class CausalLM(nn.Module):
             return None
         return name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [num_tokens, vocab]
+    def compute_logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        return self.lm_head(hidden, plan).float()  # [num_tokens, vocab]

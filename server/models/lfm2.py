@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 
 from server.models.base import ATTENTION, BaseModelArgs
-from server.models.hybrid import HybridModel, ShortConv, lfm2_attention
-from server.models.layers import DecoderLayer, GatedMLP, RMSNorm
+from server.models.hybrid import HybridModel, lfm2_layer
+from server.models.layers import GatedMLP, RMSNorm
 
 
 @dataclass
@@ -81,14 +81,5 @@ class Model(HybridModel):
         return RMSNorm(self.args.hidden_size, self.args.norm_eps)
 
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
-        args = self.args
-        if layer_type == ATTENTION:
-            name = "self_attn"
-            mixer = lfm2_attention(args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.norm_eps)
-        else:
-            name, mixer = "conv", ShortConv(args.hidden_size, args.conv_L_cache)
-        names = ("operator_norm", name, "ffn_norm", "feed_forward")
-        return DecoderLayer(names, mixer, self.make_ffn(layer_idx), self.make_norm)
-
-    def make_ffn(self, layer_idx: int) -> nn.Module:
-        return GatedMLP(self.args.hidden_size, self.args.dense_ffn_size(), names=("w1", "w3", "w2"))
+        ffn = GatedMLP(self.args.hidden_size, self.args.dense_ffn_size(), names=("w1", "w3", "w2"))
+        return lfm2_layer(self.args, layer_type, ffn, self.make_norm)

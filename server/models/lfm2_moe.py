@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from server.models import lfm2
-from server.models.hybrid import SigmoidBiasMoE
+from server.models.hybrid import HybridModel, SigmoidBiasMoE, lfm2_layer
+from server.models.layers import GatedMLP, RMSNorm
 
 
 @dataclass
@@ -37,12 +38,18 @@ class ModelArgs(lfm2.ModelArgs):
         return self.intermediate_size  # the MoE family sizes its dense layers without the 2/3 adjustment
 
 
-class Model(lfm2.Model):
-    def make_ffn(self, layer_idx: int) -> nn.Module:
+class Model(HybridModel):
+    final_norm_name = "embedding_norm"
+
+    def make_norm(self) -> nn.Module:
+        return RMSNorm(self.args.hidden_size, self.args.norm_eps)
+
+    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
         args = self.args
         if layer_idx < args.num_dense_layers:
-            return super().make_ffn(layer_idx)
-        return SigmoidBiasMoE(
-            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-            args.norm_topk_prob, args.routed_scaling_factor, args.use_expert_bias,
-        )
+            ffn = GatedMLP(args.hidden_size, args.dense_ffn_size(), names=("w1", "w3", "w2"))
+        else:
+            ffn = SigmoidBiasMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok,
+                                 args.moe_intermediate_size, args.norm_topk_prob, args.routed_scaling_factor,
+                                 args.use_expert_bias)
+        return lfm2_layer(args, layer_type, ffn, self.make_norm)

@@ -1,4 +1,5 @@
-"""Llama (incl. Llama-3 rope scaling). Also the base decoder that Qwen3 and Qwen3-MoE specialize."""
+"""Llama (incl. Llama-3 rope scaling): every layer attention + SwiGLU MLP, plain RMSNorm. Its ModelArgs are the
+base that Qwen3's and Qwen3-MoE's extend."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from server.models.base import ATTENTION, BaseModelArgs
-from server.models.layers import Attention, CausalLM, DecoderLayer, GatedMLP, RMSNorm
+from server.models.base import BaseModelArgs
+from server.models.layers import CausalLM, GatedMLP, attention_decoder_layer
 
 
 @dataclass
@@ -38,27 +39,6 @@ class ModelArgs(BaseModelArgs):
 
 
 class Model(CausalLM):
-    """Llama: every layer attention + SwiGLU MLP, plain RMSNorm."""
-
-    qk_norm = False
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, [ATTENTION] * args.num_hidden_layers)
-
-    def make_norm(self) -> nn.Module:
-        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps)
-
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
-        args = self.args
-        attention = Attention(
-            args.hidden_size,
-            args.num_attention_heads,
-            args.num_key_value_heads,
-            args.head_dim,
-            qk_norm_eps=args.rms_norm_eps if self.qk_norm else None,
-        )
-        names = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-        return DecoderLayer(names, attention, self.make_mlp(layer_idx), self.make_norm)
-
-    def make_mlp(self, layer_idx: int) -> nn.Module:
-        return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+        mlp = GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+        return attention_decoder_layer(self.args, mlp, self.make_norm, qk_norm=False)

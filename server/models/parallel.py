@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from server.kernels import devices
 from server.kernels.gemv import RowReductionLinear
+from server.kernels.plan import StepPlan
 from server.models.base import ATTENTION
 from server.models.hybrid import (
     GatedAttention,
@@ -38,7 +40,16 @@ from server.models.hybrid import (
     ShortConv,
     SigmoidBiasMoE,
 )
-from server.models.layers import Attention, FusedExperts, GatedMLP, MergedLinear, SoftmaxMoE, layer_metadata
+from server.models.layers import (
+    Attention,
+    FusedExperts,
+    GatedMLP,
+    Linear,
+    MergedLinear,
+    SoftmaxMoE,
+    call_layer,
+    layer_metadata,
+)
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
@@ -136,7 +147,7 @@ def apply_layout(model: nn.Module, layout: Layout) -> None:
 # ---- collectives ---------------------------------------------------------------------------------------------
 def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
     """Sum over the group, in place. Gloo (CPU, several Macs) takes CPU tensors: MPS tensors go through the host."""
-    if x.device.type == "mps":
+    if devices.collectives_through_host(x.device):
         host = x.cpu()
         dist.all_reduce(host, group=group)
         return x.copy_(host)
@@ -146,7 +157,7 @@ def all_reduce(x: torch.Tensor, group=None) -> torch.Tensor:
 
 def broadcast(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
     """`src`'s x on every rank, in place (through the host for MPS tensors, as all_reduce)."""
-    if x.device.type == "mps":
+    if devices.collectives_through_host(x.device):
         host = x.cpu()
         dist.broadcast(host, src, group=group)
         return x.copy_(host)
@@ -155,11 +166,11 @@ def broadcast(x: torch.Tensor, src: int, group=None) -> torch.Tensor:
 
 
 def send(x: torch.Tensor, dst: int, group=None) -> None:
-    dist.send(x.cpu() if x.device.type == "mps" else x.contiguous(), dst, group=group)
+    dist.send(x.cpu() if devices.collectives_through_host(x.device) else x.contiguous(), dst, group=group)
 
 
 def recv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int, group=None) -> torch.Tensor:
-    host = device.type == "mps"
+    host = devices.collectives_through_host(device)
     out = torch.empty(shape, dtype=dtype, device="cpu" if host else device)
     dist.recv(out, src, group=group)
     return out.to(device) if host else out
@@ -273,7 +284,7 @@ def _shard_short_conv(conv: ShortConv, layout: Layout) -> dict[str, Shard]:
     hidden = conv.hidden_size
     part = _part(hidden, layout, "conv channels")
     conv.hidden_size = part[1] - part[0]
-    conv.in_proj = nn.Linear(hidden, 3 * conv.hidden_size, bias=False)
+    conv.in_proj = Linear(hidden, 3 * conv.hidden_size, bias=False)
     conv.conv = nn.Conv1d(conv.hidden_size, conv.hidden_size, conv.kernel_size, groups=conv.hidden_size, bias=False)
     conv.out_proj = RowReductionLinear(conv.hidden_size, hidden, bias=False)
     return {"in_proj.weight": rows(part, _scaled(part, 1, hidden), _scaled(part, 1, 2 * hidden)),
@@ -366,7 +377,9 @@ class PipelineStack(nn.Module):
         self.embed_tokens = stack.embed_tokens if first else Absent()
         setattr(self, self.final_norm_name, getattr(stack, self.final_norm_name) if first else Absent())
 
-    def forward(self, input_ids, positions, meta, kv_caches):
+    layer_call = staticmethod(call_layer)
+
+    def forward(self, input_ids, positions, meta, kv_caches, plan: StepPlan):
         rank, size, group = self.layout.rank, self.layout.size, self.layout.group
         dtype = self._dtype()
         if rank == 0:
@@ -377,7 +390,7 @@ class PipelineStack(nn.Module):
         state_caches, meta = meta.state_caches, layer_metadata(meta)
         for layer, layer_type, index in zip(self.layers, self.layer_types, self.cache_index, strict=True):
             cache = kv_caches[index] if layer_type == ATTENTION else state_caches[index]
-            x = layer(x, rope, meta, cache)
+            x = self.layer_call(layer, x, rope, meta, cache, plan)
         send(x, (rank + 1) % size, group)
         if rank != 0:
             return x  # followers' output is not read: rank 0 computes the logits

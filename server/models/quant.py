@@ -13,6 +13,7 @@ from torch import nn
 
 from server.kernels.fp8 import FP8_DTYPE, Fp8Linear, quantize_fp8_rowwise
 from server.kernels.moe_fp8 import moe_experts_fp8, quantize_experts
+from server.kernels.plan import StepPlan
 from server.models.layers import FusedExperts, MergedLinear
 
 ROUTER_NAMES = ("gate", "shared_expert_gate")  # MoE routers stay in the model dtype
@@ -58,9 +59,9 @@ class Fp8FusedExperts(nn.Module):
         self.register_buffer("down_proj", torch.empty(experts.down_proj.shape, dtype=FP8_DTYPE, device=device))
         self.register_buffer("down_scale", torch.ones(experts.down_proj.shape[:2], device=device))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         return moe_experts_fp8(
-            x, weights, expert_ids, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale
+            x, weights, expert_ids, self.gate_up_proj, self.gate_up_scale, self.down_proj, self.down_scale, plan
         )
 
     def copy_from(self, experts: FusedExperts) -> None:

@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from server.models.base import ATTENTION, BaseModelArgs
-from server.models.hybrid import GatedAttention, GatedDeltaNet, HybridModel, default_layer_types
-from server.models.layers import DecoderLayer, GatedMLP, RMSNorm
+from server.models.base import BaseModelArgs
+from server.models.hybrid import HybridModel, default_layer_types, gated_hybrid_layer
+from server.models.layers import GatedMLP
 
 
 @dataclass
@@ -62,25 +62,8 @@ class ModelArgs(BaseModelArgs):
 
 class Model(HybridModel):
     ignored_prefixes = ("model.visual.", "mtp.")
-
-    def make_norm(self) -> nn.Module:
-        return RMSNorm(self.args.hidden_size, self.args.rms_norm_eps, zero_centered=True)
+    zero_centered_norms = True
 
     def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
-        args = self.args
-        if layer_type == ATTENTION:
-            name = "self_attn"
-            mixer = GatedAttention(
-                args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim, args.rms_norm_eps
-            )
-        else:
-            name = "linear_attn"
-            mixer = GatedDeltaNet(
-                args.hidden_size, args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim,
-                args.linear_value_head_dim, args.linear_conv_kernel_dim, args.rms_norm_eps,
-            )
-        names = ("input_layernorm", name, "post_attention_layernorm", "mlp")
-        return DecoderLayer(names, mixer, self.make_mlp(layer_idx), self.make_norm)
-
-    def make_mlp(self, layer_idx: int) -> nn.Module:
-        return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+        mlp = GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+        return gated_hybrid_layer(self.args, layer_type, mlp, self.make_norm)

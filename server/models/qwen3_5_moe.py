@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from server.models import qwen3_5
-from server.models.hybrid import SharedExpertMoE, shared_expert_slot_name
+from server.models.hybrid import HybridModel, SharedExpertMoE, gated_hybrid_layer
 
 
 @dataclass
@@ -25,19 +25,13 @@ class ModelArgs(qwen3_5.ModelArgs):
     num_experts_per_tok: int = 8
 
 
-class Model(qwen3_5.Model):
-    def make_mlp(self, layer_idx: int) -> nn.Module:
+class Model(HybridModel):
+    ignored_prefixes = ("model.visual.", "mtp.")
+    zero_centered_norms = True
+    shared_expert_slots = True
+
+    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
         args = self.args
-        return SharedExpertMoE(
-            args.hidden_size, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
-            args.shared_expert_intermediate_size, self.renormalize(),
-        )
-
-    def renormalize(self) -> bool:
-        """Qwen3.5-MoE always renormalizes the top-k routing weights."""
-        return True
-
-    def sanitize(self, name: str) -> str | None:
-        """As HybridModel's, and the shared expert's tensors go to the experts' last slot where it is kept there."""
-        name = super().sanitize(name)
-        return None if name is None else shared_expert_slot_name(name, self.args)
+        moe = SharedExpertMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok,
+                              args.moe_intermediate_size, args.shared_expert_intermediate_size, renormalize=True)
+        return gated_hybrid_layer(args, layer_type, moe, self.make_norm)

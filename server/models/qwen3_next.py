@@ -10,18 +10,27 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from server.models import qwen3_5_moe
+from server.models import qwen3_5
 from server.models.base import is_moe_layer
-from server.models.hybrid import split_grouped_projections
+from server.models.hybrid import (
+    HybridModel,
+    SharedExpertMoE,
+    gated_hybrid_layer,
+    split_grouped_projections,
+)
 from server.models.layers import GatedMLP
 
 
 @dataclass
-class ModelArgs(qwen3_5_moe.ModelArgs):
+class ModelArgs(qwen3_5.ModelArgs):
     model_type: str = "qwen3_next"
     vocab_size: int = 151936
+    hidden_size: int = 2048
     intermediate_size: int = 5632
     num_hidden_layers: int = 48
+    num_key_value_heads: int = 2
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
     num_experts: int = 512
     num_experts_per_tok: int = 10
     norm_topk_prob: bool = True
@@ -29,14 +38,19 @@ class ModelArgs(qwen3_5_moe.ModelArgs):
     mlp_only_layers: list[int] = field(default_factory=list)
 
 
-class Model(qwen3_5_moe.Model):
-    def make_mlp(self, layer_idx: int) -> nn.Module:
-        if is_moe_layer(self.args, layer_idx):
-            return super().make_mlp(layer_idx)
-        return GatedMLP(self.args.hidden_size, self.args.intermediate_size)
+class Model(HybridModel):
+    ignored_prefixes = ("model.visual.", "mtp.")
+    zero_centered_norms = True
+    shared_expert_slots = True
 
-    def renormalize(self) -> bool:
-        return self.args.norm_topk_prob
+    def make_layer(self, layer_idx: int, layer_type: str) -> nn.Module:
+        args = self.args
+        if is_moe_layer(args, layer_idx):
+            ffn = SharedExpertMoE(args.hidden_size, args.num_experts, args.num_experts_per_tok,
+                                  args.moe_intermediate_size, args.shared_expert_intermediate_size, args.norm_topk_prob)
+        else:
+            ffn = GatedMLP(args.hidden_size, args.intermediate_size)
+        return gated_hybrid_layer(args, layer_type, ffn, self.make_norm)
 
     def split_tensor(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Loader hook: grouped GDN projections -> the Qwen3.5 rows `GatedDeltaNet.in_proj` declares."""

@@ -16,7 +16,7 @@ from server.bench.presets import available_presets, load_preset
 from server.compile.background import describe_failure
 from server.config import EngineConfig
 from server.engine.weights import empty_model
-from server.kernels.flex_decode import probe_compiled
+from server.kernels.flex_probe import probe_compiled
 from server.selfcheck.results import FAIL, PASS, SKIP, Check, attempt
 
 SECTION = "decode"

@@ -20,6 +20,7 @@ from server.kernels import fp8, gated_delta, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.flex_decode import decode_block_mask, flex_attention, flex_decode_attention
 from server.kernels.paged_attention import attention_reference, fresh_prefill_attention, gathered_decode_attention
+from server.kernels.plan import step_plan
 from server.selfcheck.results import FAIL, PASS, SKIP, Check, attempt, bounded
 
 SECTION = "kernels"
@@ -76,7 +77,7 @@ def check_fp8_linear(device, dtype, inputs: Inputs) -> Check:
     for num_tokens in (1, 5):
         x_fp8, x_scale = fp8.quantize_activation(inputs.randn(num_tokens, 256).to(device, dtype))
         for b in (None, bias):
-            out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, b, dtype)
+            out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, b, dtype, step_plan(device, dtype))
             cpu = [t.cpu() for t in (x_fp8, x_scale, w_fp8, w_scale)]
             ref = fp8.fp8_linear_reference(*cpu, None if b is None else b.cpu(), torch.float32)
             errors.append(rel_err(out, ref))
@@ -104,7 +105,8 @@ def _moe_case(inputs: Inputs, num_tokens: int, num_experts=8, hidden=64, inter=3
     x = inputs.randn(num_tokens, hidden)
     # a few hot experts and some rarely chosen: groups of very different sizes, empty ones included
     skew = torch.tensor([3.0, 2.0, 0, 0, -9, 0, 1, -9])
-    weights, expert_ids = moe.route_softmax(inputs.randn(num_tokens, num_experts) + skew, top_k, True)
+    weights, expert_ids = moe.route_softmax(inputs.randn(num_tokens, num_experts) + skew, top_k, True,
+                                            step_plan("cpu", torch.float32))
     return x, weights, expert_ids, gate_up, down
 
 
@@ -113,7 +115,7 @@ def check_moe(device, dtype, inputs: Inputs) -> Check:
     for num_tokens in (1, 7, 33):
         x, weights, expert_ids, gate_up, down = _moe_case(inputs, num_tokens)
         out = moe.moe_experts(*(t.to(device, dtype) for t in (x, weights)), expert_ids.to(device),
-                              gate_up.to(device, dtype), down.to(device, dtype))
+                              gate_up.to(device, dtype), down.to(device, dtype), step_plan(device, dtype))
         ref = moe.moe_experts_reference(*(t.to(dtype).double() for t in (x, weights)), expert_ids,
                                         gate_up.to(dtype).double(), down.to(dtype).double())
         errors.append(rel_err(out, ref))
@@ -129,7 +131,8 @@ def check_moe_fp8(device, dtype, inputs: Inputs) -> Check:
         gate_up_q, gate_up_scale = moe_fp8.quantize_experts(gate_up.to(device, dtype))
         down_q, down_scale = moe_fp8.quantize_experts(down.to(device, dtype))
         quantized = (gate_up_q, gate_up_scale, down_q, down_scale)
-        out = moe_fp8.moe_experts_fp8(x.to(device, dtype), weights.to(device, dtype), expert_ids.to(device), *quantized)
+        out = moe_fp8.moe_experts_fp8(x.to(device, dtype), weights.to(device, dtype), expert_ids.to(device), *quantized,
+                                      step_plan(device, dtype))
         ref = moe_fp8.moe_experts_fp8_reference(x.to(dtype).float(), weights.to(dtype).float(), expert_ids,
                                                 *(t.cpu() for t in quantized))
         errors.append(rel_err(out, ref))
@@ -154,10 +157,12 @@ def check_decode_attention(device, dtype, inputs: Inputs, flex: bool) -> Check:
     scale = q.shape[-1] ** -0.5
     on_device = [t.to(device, dtype) for t in (q, k_cache, v_cache)] + [t.to(device) for t in (tables, positions)]
     if flex:  # eager here (torch warns that it is unfused); the compiled form is checked with the decode step
-        mask = decode_block_mask(on_device[3], on_device[4], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
+        plan = step_plan(device, dtype)
+        mask = decode_block_mask(on_device[3], on_device[4], k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1],
+                                 plan.flex_listed_blocks)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            out = flex_decode_attention(*on_device[:3], mask, scale)
+            out = flex_decode_attention(*on_device[:3], mask, scale, plan.flex_kv_tile)
     else:
         out = gathered_decode_attention(*on_device, scale)
     ref = gathered_decode_attention(*(t.to(dtype).double() for t in (q, k_cache, v_cache)), tables, positions, scale)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from server.bench import measure
 from server.kernels import fp8, moe
 from server.kernels.capabilities import capabilities
+from server.kernels.plan import step_plan
 from server.selfcheck.results import FAIL, PASS, SKIP, Check, attempt
 
 SECTION = "speed"
@@ -80,10 +81,11 @@ def check_gemv(device, dtype, shape: tuple[int, int], quantized: bool, reps: int
     calls = iter(range(1 << 62))
     if quantized:
         weights = [fp8.quantize_fp8_rowwise(w) for w in weights]
+        plan = step_plan(device, dtype)
 
         def step():
             w_fp8, w_scale = weights[next(calls) % num_copies]
-            return fp8.fp8_linear(*fp8.quantize_activation(x), w_fp8, w_scale, None, dtype)
+            return fp8.fp8_linear(*fp8.quantize_activation(x), w_fp8, w_scale, None, dtype, plan)
     else:
 
         def step():
@@ -103,12 +105,12 @@ def check_moe_layer(device, dtype, shape: tuple[int, int, int, int], reps: int) 
     gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator) * hidden**-0.5).to(device, dtype)
     down = (torch.randn(num_experts, hidden, inter, generator=generator) * inter**-0.5).to(device, dtype)
     x = torch.randn(1, hidden, generator=generator).to(device, dtype)
+    plan = step_plan(device, dtype)
     weights, expert_ids = moe.route_softmax(torch.randn(1, num_experts, generator=generator).to(device, dtype),
-                                            top_k, True)
-    fast_s = median_seconds(lambda: moe.moe_experts(x, weights, expert_ids, gate_up, down), device, reps)
+                                            top_k, True, plan)
+    fast_s = median_seconds(lambda: moe.moe_experts(x, weights, expert_ids, gate_up, down, plan), device, reps)
     loop_s = median_seconds(lambda: moe.moe_experts_reference(x, weights, expert_ids, gate_up, down), device, reps)
-    caps = capabilities(device)
-    path = "grouped_mm" if caps.grouped_mm(dtype) else "gather + bmm (no grouped_mm for this dtype here)"
+    path = "grouped_mm" if plan.grouped_mm else "gather + bmm (no grouped_mm for this dtype here)"
     ok = all(math.isfinite(s) and s > 0 for s in (fast_s, loop_s))
     detail = (f"{path}: {fast_s * 1e3:.3f} ms vs host-synced loop {loop_s * 1e3:.3f} ms "
               f"({loop_s / fast_s:.1f}x), E={num_experts} k={top_k} H={hidden} I={inter}, batch 1")

@@ -12,7 +12,8 @@ import torch
 from server.engine.engine import Engine
 from server.engine.types import SamplingParams
 from server.kernels import compat
-from tests.helpers import ENGINE_KW, random_ids
+from server.kernels.plan import step_plan
+from tests.helpers import ENGINE_KW, random_ids, replan
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
                                 reason="inductor needs a C compiler on the CPU")
@@ -208,7 +209,7 @@ def test_flex_at_batch_1_only_on_cuda_for_attention_only_models_where_its_probe_
 
     probes = []
     verdict = [(True, "compiled and right")]
-    monkeypatch.setattr(decode_graphs.flex_decode, "probe_compiled", lambda *a: probes.append(a) or verdict[0])
+    monkeypatch.setattr(decode_graphs.flex_probe, "probe_compiled", lambda *a: probes.append(a) or verdict[0])
     cuda, cpu, mps = torch.device("cuda"), torch.device("cpu"), torch.device("mps")
     use_flex = decode_graphs.use_flex_at_batch_1
     assert use_flex(cuda, torch.bfloat16, 16, True) is True
@@ -241,7 +242,7 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     prompts = [random_ids(n, n) for n in (5, 19, 11)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     with monkeypatch.context() as eager_patch:  # the same form eagerly, as the reference; prefill keeps scaled_mm
-        eager_patch.setattr(fp8, "use_weight_only", lambda device, num_tokens: num_tokens <= fp8.WEIGHT_ONLY_MAX_TOKENS)
+        replan(eager_patch, eager={"fp8_weight_only": True})
         eager = Engine.from_pretrained(str(path), **ENGINE_KW, compile="off", quantization="fp8")
         expected = [eager.generate(p, params).token_ids for p in prompts]
     traced = []  # whether each activation quantization was traced into the compiled step
@@ -261,7 +262,7 @@ def test_compiled_steps_raise_dynamos_recompile_limit_in_whichever_thread_calls_
 
     from server.compile.prefill import CompiledPrefill
 
-    steps = CompiledPrefill(torch.nn.Identity(), [])
+    steps = CompiledPrefill(torch.nn.Identity(), [], step_plan("cpu", torch.float32, traced=True))
     seen = []
     steps._compiled = lambda *args: seen.append(torch._dynamo.config.recompile_limit)
     thread = threading.Thread(target=steps, args=(torch.zeros(1),))
@@ -304,7 +305,7 @@ def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkp
     traced = []  # the weight shapes of the row reductions dynamo traced (recorded at trace time, no guard on it)
     record = torch._dynamo.assume_constant_result(lambda rows, cols: traced.append((rows, cols)) or 0)
     reduction = gemv.row_reduction_linear
-    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
+    replan(monkeypatch, compiled={"row_reduction_linear": True})
     monkeypatch.setattr(gemv, "row_reduction_linear", lambda x, w, b: reduction(x, w, b) + record(*w.shape))
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on")
     assert [compiled.generate(p, params).token_ids for p in prompts] == expected

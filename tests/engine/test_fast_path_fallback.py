@@ -14,9 +14,9 @@ import torch._inductor.config
 
 from server.compile import background as background_compile
 from server.engine.types import SamplingParams
-from server.kernels import compat, fp8, moe, moe_fp8, streams
+from server.kernels import compat, streams
 from server.kernels.capabilities import Probe, capabilities
-from tests.helpers import make_engine, needs_cpu_scaled_mm, random_ids
+from tests.helpers import make_engine, needs_cpu_scaled_mm, random_ids, replan
 
 CPU = torch.device("cpu")
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -42,9 +42,10 @@ def _tokens(path, **kw) -> list[list[int]]:
 def _reference_off(monkeypatch, name: str):
     """Make the probe answer no for `name`: the engine then takes the reference path from its first step."""
     if name == "grouped_mm":
-        monkeypatch.setattr(moe, "grouped_mm_ok", lambda *args: False)
+        replan(monkeypatch, {"grouped_mm": False}, {"grouped_mm": False})
     elif name == "fp8_rowwise":
-        monkeypatch.setattr(fp8, "fp8_rowwise_ok", lambda *args: False)
+        off = {"fp8_rowwise": False, "fp8_rowwise_bias": False}
+        replan(monkeypatch, off, off)
 
 
 def _break(monkeypatch, name: str):
@@ -52,8 +53,8 @@ def _break(monkeypatch, name: str):
         monkeypatch.setattr(compat, "grouped_mm", broken)
     elif name == "fp8_rowwise":
         monkeypatch.setattr(compat, "scaled_mm_rowwise", broken)
-    elif name == "fp8_grouped":  # told it has one, the CPU's scaled_grouped_mm fails for real
-        monkeypatch.setattr(moe_fp8, "fp8_grouped_ok", lambda device: True)
+    elif name == "fp8_grouped":  # planned to have one, the CPU's scaled_grouped_mm fails for real
+        replan(monkeypatch, {"fp8_grouped": True}, {"fp8_grouped": True})
     elif name == "streams":
         probed = dataclasses.replace(capabilities(CPU), streams=Probe(True, "told so by the test"))
         monkeypatch.setattr(streams, "capabilities", lambda device: probed)

@@ -14,11 +14,11 @@ import torch
 
 from server.engine.engine import Engine
 from server.engine.mlx_checkpoint import AffineLoader, mlx_to_hf
-from server.engine.types import ModelLoadError
+from server.engine.types import ModelLoadError, SamplingParams
 from server.kernels import affine
 from server.models.affine_quant import AffineEmbedding, AffineFusedExperts, AffineLinear, AffineTiedHead
 from server.quantize_cli import mlx_config
-from tests.helpers import ENGINE_KW, build_tiny, random_ids
+from tests.helpers import ENGINE_KW, build_tiny, random_ids, replan
 
 mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
@@ -167,18 +167,17 @@ def test_other_modes_are_refused_by_name(converted, tmp_path):
         Engine.from_pretrained(str(path), **ENGINE_KW)
 
 
-def test_reduction_form_equals_the_reference_form(converted):
-    """The step plan's one-token form (kernels/affine.py "reduction", set on every quantized module) gives the
-    reference form's logits; eager it is only slow."""
-    from server.models.affine_quant import set_form
-
-    engine = Engine.from_pretrained(str(converted("qwen3_moe", 4, 64)), **ENGINE_KW)
-    ids = random_ids(12, 9)
-    reference = engine.score(ids)
-    set_form(engine.model, "reduction")
-    assert rel(engine.score(ids), reference) < 1e-5
-    with pytest.raises(ValueError, match="form"):
-        set_form(engine.model, "fast")
+def test_reduction_form_equals_the_reference_form(converted, monkeypatch):
+    """A plan with the packed weights read inside reductions (kernels/affine.py "reduction", a compiled step's)
+    gives the reference form's greedy tokens and logprobs; eager it is only slow."""
+    path = str(converted("qwen3_moe", 4, 64))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    reference = Engine.from_pretrained(path, **ENGINE_KW).generate(random_ids(12, 9), params)
+    replan(monkeypatch, eager={"affine_reduction": True})
+    reduced = Engine.from_pretrained(path, **ENGINE_KW).generate(random_ids(12, 9), params)
+    assert reduced.token_ids == reference.token_ids
+    for a, b in zip(reduced.logprobs, reference.logprobs, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-4
 
 
 @pytest.mark.parametrize("arch,bits,group_size", [("llama", 4, 64), ("qwen3", 8, 32), ("qwen3_moe", 4, 64)])
@@ -214,7 +213,7 @@ def test_memory_check_counts_packed_bytes_and_embeddings_run(converted, monkeypa
     packed = Engine.from_pretrained(str(path), **ENGINE_KW).weight_bytes
     monkeypatch.setattr(weights, "memory_bytes", lambda device: int(packed * 1.5))  # far below the float32 size
     engine = Engine.from_pretrained(str(path), **ENGINE_KW)
-    hidden = hidden_states(engine.model, random_ids(6, 1), torch.device("cpu"))
+    hidden = hidden_states(engine.model, random_ids(6, 1), torch.device("cpu"), engine.runner.plans.eager)
     assert hidden.shape == (6, 64) and hidden.dtype == torch.float32
     monkeypatch.setattr(weights, "memory_bytes", lambda device: packed // 2)
     with pytest.raises(ModelLoadError, match="refused before allocating"):

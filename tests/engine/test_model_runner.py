@@ -23,10 +23,10 @@ def test_the_runner_runs_prefill_and_mixed_steps_in_the_prefill_context(tiny_che
 
     def forward(*args):
         forwards.append(len(entered) % 2 == 1)  # inside an open context
-        return engine.model(*args)
+        return eager(*args)
 
     monkeypatch.setattr(model_runner, "prefill_sdpa_backends", recording)
-    engine.runner.forward_steps = forward
+    eager, engine.runner.forward_steps = engine.runner.eager_forward, forward
     engine.generate([random_ids(9, 1), random_ids(30, 2)], SamplingParams(max_tokens=3, ignore_eos=True))
     assert forwards and all(forwards) and entered[0] == engine.device
 

@@ -11,6 +11,7 @@ import torch
 
 from server.kernels import compat, fp8, moe, moe_fp8, streams
 from server.kernels.capabilities import Probe, capabilities
+from server.kernels.plan import step_plan
 from tests.helpers import needs_cpu_scaled_mm
 
 CPU = torch.device("cpu")
@@ -46,17 +47,19 @@ def _experts(num_tokens: int, seed: int, dtype=torch.float32):
     gate_up = torch.randn(8, 64, 48, generator=gen).to(dtype) / 7
     down = torch.randn(8, 48, 32, generator=gen).to(dtype) / 6
     x = torch.randn(num_tokens, 48, generator=gen).to(dtype)
-    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, 8, generator=gen).to(dtype), 2, True)
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, 8, generator=gen).to(dtype), 2, True,
+                                            step_plan(CPU, dtype))
     return x, weights, expert_ids, gate_up, down
 
 
 def test_grouped_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, fresh_failures):
-    assert capabilities(CPU).grouped_mm(torch.float32)  # the probe passed it: the fast path is chosen
+    plan = step_plan(CPU, torch.float32)
+    assert plan.grouped_mm  # the probe passed it: the fast path is chosen
     monkeypatch.setattr(compat, "grouped_mm", broken)
     with caplog.at_level(logging.WARNING):
         for num_tokens, seed in [(1, 0), (9, 1), (3, 2)]:  # few slots (gather + bmm) and many (every expert)
             args = _experts(num_tokens, seed)
-            out = moe.moe_experts(*args)
+            out = moe.moe_experts(*args, plan)
             ref = moe.moe_experts_reference(*args)
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert_one_warning(caplog, "grouped_mm")
@@ -70,7 +73,7 @@ def test_fp8_scaled_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, 
     working = compat.scaled_mm_rowwise
     calls = []
 
-    def fused_bias_broken(a, b, scale_a, scale_b, bias, out_dtype, private=None):
+    def fused_bias_broken(a, b, scale_a, scale_b, bias, out_dtype, private=False):
         calls.append(bias is not None)
         if bias is not None or not with_bias:
             raise RuntimeError("no kernel for this shape on this device")
@@ -83,7 +86,7 @@ def test_fp8_scaled_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, 
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             x_fp8, x_scale = fp8.quantize_activation(torch.randn(2, 64, generator=gen).to(torch.bfloat16))
-            out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
+            out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16, step_plan(CPU, torch.bfloat16))
             ref = fp8.fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
             torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     # with a bias: the fused form fails once, later calls take scaled_mm without the bias, which works
@@ -92,13 +95,13 @@ def test_fp8_scaled_mm_failing_falls_back_with_one_warning(monkeypatch, caplog, 
 
 
 def test_fp8_grouped_failing_falls_back_with_one_warning(monkeypatch, caplog, fresh_failures):
-    """The CPU has no scaled_grouped_mm: told that it has, the first call fails for real."""
-    monkeypatch.setattr(moe_fp8, "fp8_grouped_ok", lambda device: True)
+    """The CPU has no scaled_grouped_mm: a plan that says it has makes the first call fail for real."""
+    plan = dataclasses.replace(step_plan(CPU, torch.float32), fp8_grouped=True)
     with caplog.at_level(logging.WARNING):
         for num_tokens, seed in [(1, 3), (9, 4)]:
             x, weights, expert_ids, gate_up, down = _experts(num_tokens, seed)
             quantized = (*moe_fp8.quantize_experts(gate_up), *moe_fp8.quantize_experts(down))
-            out = moe_fp8.moe_experts_fp8(x, weights, expert_ids, *quantized)
+            out = moe_fp8.moe_experts_fp8(x, weights, expert_ids, *quantized, plan)
             ref = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert_one_warning(caplog, "fp8_grouped")

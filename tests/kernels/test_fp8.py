@@ -7,13 +7,17 @@ bounds below. Against its own twin (same quantized operands) the fast path must 
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
 import torch
 
 from server.kernels import fp8, moe, moe_fp8
+from server.kernels.plan import step_plan
 from tests.helpers import needs_cpu_scaled_mm
+
+CPU = torch.device("cpu")
 
 FP8_LINEAR_BOUND = 6e-2  # both operands quantized, vs the bf16 product
 FP8_WEIGHT_ONLY_BOUND = 4e-2  # one weight quantized, activations not
@@ -44,7 +48,7 @@ def test_fp8_linear_matches_twin_and_bf16(with_bias, num_tokens):
     x = torch.randn(num_tokens, 128).to(torch.bfloat16)
     w_fp8, w_scale = fp8.quantize_fp8_rowwise(weight)
     x_fp8, x_scale = fp8.quantize_activation(x)
-    out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
+    out = fp8.fp8_linear(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16, step_plan(CPU, torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, 64)
     twin = fp8.fp8_linear_reference(x_fp8, x_scale, w_fp8, w_scale, bias, torch.bfloat16)
     assert _rel_err(out, twin) < 1e-2
@@ -72,21 +76,21 @@ def test_fp8_weight_only_matches_twin_and_bf16(with_bias):
 @pytest.mark.parametrize("num_tokens, has_scaled_mm, weight_only",
                          [(1, False, True), (1, True, True),
                           pytest.param(fp8.WEIGHT_ONLY_MAX_TOKENS + 1, True, False, marks=needs_cpu_scaled_mm)])
-def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens, has_scaled_mm, weight_only,
-                                                                      monkeypatch):
+def test_compiled_fp8_linear_reads_fp8_in_its_reduction_at_one_token(num_tokens, has_scaled_mm, weight_only):
     """Compiled at one token, with or without a row-wise scaled_mm on the device: one reduction over the FP8
     weight, no activation quantization and no scaled_mm; at more tokens, scaled_mm. Either way the twin's
     numbers."""
     from torch._inductor.utils import run_and_get_code
 
+    plan = step_plan(CPU, torch.bfloat16, traced=True)
     if not has_scaled_mm:  # the choice only: the fallback it replaces would never be traced here
-        monkeypatch.setattr(fp8, "fp8_rowwise_ok", lambda device, with_bias: False)
+        plan = dataclasses.replace(plan, fp8_rowwise=False, fp8_rowwise_bias=False)
 
     layer = fp8.Fp8Linear(96, 48, bias=True, dtype=torch.bfloat16)
     layer.copy_from(torch.nn.Linear(96, 48, bias=True, dtype=torch.bfloat16))
     x = torch.randn(num_tokens, 96, dtype=torch.bfloat16)
     torch._dynamo.reset()
-    out, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x)
+    out, code = run_and_get_code(torch.compile(layer, fullgraph=True, dynamic=False), x, plan)
     code = "\n".join(code)
     assert ("scaled_mm" not in code) == weight_only
     assert ("448.0" not in code) == weight_only  # FP8_MAX: the activation's quantization
@@ -133,16 +137,17 @@ def test_fp8_linear_module_copied_from_a_linear_and_fused_rows():
     layer.copy_from(linear)
     assert torch.equal(layer.bias, linear.bias.detach())
     x = torch.randn(2, 1, 96, dtype=torch.bfloat16)
-    assert layer(x).shape == (2, 1, 48)
-    assert _rel_err(layer(x), linear(x).detach()) < FP8_LINEAR_BOUND
+    plan = step_plan(CPU, torch.bfloat16)
+    assert layer(x, plan).shape == (2, 1, 48)
+    assert _rel_err(layer(x, plan), linear(x).detach()) < FP8_LINEAR_BOUND
     shared = fp8.quantize_activation(x)  # one quantization feeding two projections
-    assert torch.equal(layer(x, shared), layer(x))
+    assert torch.equal(layer(x, plan, shared), layer(x, plan))
     q_proj, kv_proj = torch.randn(32, 96), torch.randn(16, 96)  # a fused projection filled piece by piece
     fused = fp8.Fp8Linear(96, 48, dtype=torch.float32)
     fused.load_rows(slice(0, 32), q_proj)
     fused.load_rows(slice(32, 48), kv_proj)
     ref = x.float() @ torch.cat([q_proj, kv_proj]).t()
-    assert _rel_err(fused(x.float()), ref) < FP8_LINEAR_BOUND
+    assert _rel_err(fused(x.float(), step_plan(CPU, torch.float32)), ref) < FP8_LINEAR_BOUND
     assert fused.weight.dtype == torch.float8_e4m3fn and fused.weight.numel() == 48 * 96  # 1 byte per weight
 
 
@@ -168,9 +173,11 @@ def test_fp8_experts_match_twin_and_bf16(num_tokens):
     down_q, down_scale = moe_fp8.quantize_experts(down)
     assert gate_up_scale.shape == (num_experts, 2 * inter) and down_scale.shape == (num_experts, hidden)
     x = torch.randn(num_tokens, hidden).to(torch.bfloat16)
-    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts).to(torch.bfloat16), top_k, True)
+    plan = step_plan(CPU, torch.bfloat16)
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts).to(torch.bfloat16), top_k, True,
+                                            plan)
     args = (x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
-    out = moe_fp8.moe_experts_fp8(*args)
+    out = moe_fp8.moe_experts_fp8(*args, plan)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert _rel_err(out, moe_fp8.moe_experts_fp8_reference(*args)) < 1e-2
     bf16 = moe.moe_experts_reference(x, weights, expert_ids, gate_up.bfloat16(), down.bfloat16())
@@ -188,7 +195,8 @@ def test_fp8_gather_reduce_matches_the_twin_above_the_unroll_threshold():
     quantized = (*moe_fp8.quantize_experts(torch.randn(num_experts, 2 * inter, hidden)),
                  *moe_fp8.quantize_experts(torch.randn(num_experts, hidden, inter)))
     x = torch.randn(num_tokens, hidden)
-    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts), top_k, True)
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, num_experts), top_k, True,
+                                            step_plan(CPU, torch.float32))
     want = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, *quantized)
     torch._dynamo.reset()
     compiled = torch.compile(moe_fp8._experts_gather_reduce_fp8, fullgraph=True, dynamic=False)
@@ -203,14 +211,15 @@ def test_fp8_experts_compile_fullgraph_decode_shape():
     gate_up_q, gate_up_scale = moe_fp8.quantize_experts(torch.randn(16, 32, 48) / 7)
     down_q, down_scale = moe_fp8.quantize_experts(torch.randn(16, 48, 16) / 4)
 
-    def block(x, router_logits):
-        weights, expert_ids = moe.route_softmax(router_logits, 2, True)
-        return moe_fp8.moe_experts_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
+    def block(x, router_logits, plan):
+        weights, expert_ids = moe.route_softmax(router_logits, 2, True, plan)
+        return moe_fp8.moe_experts_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, plan)
 
     x, logits = torch.randn(1, 48, dtype=torch.bfloat16), torch.randn(1, 16, dtype=torch.bfloat16)
     torch._dynamo.reset()
-    out = torch.compile(block, fullgraph=True, dynamic=False)(x, logits)  # the gather-reduce path (2 slots of 16)
-    weights, expert_ids = moe.route_softmax(logits, 2, True)
+    traced = step_plan(CPU, torch.bfloat16, traced=True)
+    out = torch.compile(block, fullgraph=True, dynamic=False)(x, logits, traced)  # gather-reduce (2 slots of 16)
+    weights, expert_ids = moe.route_softmax(logits, 2, True, step_plan(CPU, torch.bfloat16))
     ref = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     assert _rel_err(out, ref) < 1e-2
 

@@ -64,7 +64,7 @@ def test_decode_step_updates_the_state_cache_in_place(compiled):
     cache[slots] = state.transpose(-1, -2)
     before = cache.clone()
     step = torch.compile(gd.gated_delta_decode_, fullgraph=True) if compiled else gd.gated_delta_decode_
-    out = step(q, k, v, g, beta, cache, slots)
+    out = step(q, k, v, g, beta, cache, slots, compiled)
     ref_out, ref_state = gd.gated_delta_rule_reference(q, k, v, g, beta, state)
     assert out.shape == ref_out.shape and (out - ref_out).abs().max().item() < 1e-4
     assert (cache[slots].transpose(-1, -2) - ref_state).abs().max().item() < 1e-4

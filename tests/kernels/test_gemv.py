@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -10,6 +11,12 @@ import torch.nn.functional as F
 
 from server.kernels import gemv
 from server.kernels.gemv import RowReductionLinear
+from server.kernels.plan import step_plan
+
+CPU = torch.device("cpu")
+EAGER, TRACED = step_plan(CPU, torch.float32), step_plan(CPU, torch.float32, traced=True)
+# The CPU taken for a device whose GEMM library splits K (CUDA), as the compiled step there plans it.
+REDUCING = dataclasses.replace(TRACED, row_reduction_linear=True)
 
 
 def _fresh_generator() -> torch.Generator:
@@ -28,14 +35,8 @@ def _compiled_ir_nodes(fn, *args):
     return out, metrics.ir_nodes_pre_fusion
 
 
-@pytest.fixture
-def reducing_device(monkeypatch):
-    """The CPU taken for a device whose GEMM library splits K (CUDA), as the compiled step there sees it."""
-    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
-
-
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(bias, reducing_device):
+def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(bias):
     """At one token, compiled: the product of the input's producer (a cheap product, which inductor would inline
     and recompute for every output row) is stored, then one reduction; the values are F.linear's."""
     gen = _fresh_generator()
@@ -44,7 +45,7 @@ def test_the_one_token_row_reduction_matches_linear_and_stores_its_input_first(b
         for param in layer.parameters():
             param.copy_(torch.randn(param.shape, generator=gen))
     a, b = torch.randn(1, 1, 96, generator=gen), torch.randn(1, 1, 96, generator=gen)
-    got, num_nodes = _compiled_ir_nodes(lambda a, b: layer(a * b), a, b)
+    got, num_nodes = _compiled_ir_nodes(lambda a, b: layer(a * b, REDUCING), a, b)
     torch.testing.assert_close(got, F.linear(a * b, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     assert num_nodes == 2 + bias  # the product, the reduction (and the bias add, fused into its kernel)
 
@@ -56,18 +57,13 @@ def test_only_one_token_compiled_with_no_more_outputs_than_inputs_on_a_reducing_
               "wide": RowReductionLinear(64, 128)}
     one_token = {name: torch.randn(1, layer.in_features) for name, layer in layers.items()}
     for name, layer in layers.items():  # the CPU's GEMM splits nothing: F.linear
-        _compiled_ir_nodes(layer, one_token[name])
-    assert not taken
-    monkeypatch.setattr(gemv, "reduces_one_token", lambda device: True)
-    for name, layer in layers.items():
-        torch.testing.assert_close(layer(one_token[name]), F.linear(one_token[name], layer.weight, layer.bias))  # eager
-        _compiled_ir_nodes(layer, torch.randn(2, layer.in_features))  # two tokens
+        _compiled_ir_nodes(layer, one_token[name], TRACED)
     assert not taken
     for name, layer in layers.items():
-        _compiled_ir_nodes(layer, one_token[name])
+        expected = F.linear(one_token[name], layer.weight, layer.bias)
+        torch.testing.assert_close(layer(one_token[name], EAGER), expected)
+        _compiled_ir_nodes(layer, torch.randn(2, layer.in_features), REDUCING)  # two tokens
+    assert not taken
+    for name, layer in layers.items():
+        _compiled_ir_nodes(layer, one_token[name], REDUCING)
     assert taken == [(64, 64), (64, 128)]  # o_proj and down; the wide layer keeps F.linear
-
-
-def test_the_decode_step_reduces_only_on_cuda():
-    assert gemv.reduces_one_token(torch.device("cuda"))
-    assert not gemv.reduces_one_token(torch.device("mps")) and not gemv.reduces_one_token(torch.device("cpu"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import shutil
 from types import SimpleNamespace
@@ -10,7 +12,12 @@ import pytest
 import torch
 
 from server.kernels import moe
+from server.kernels.plan import step_plan
 from tests.kernels.sync_guard import assert_no_host_sync
+
+CPU = torch.device("cpu")
+EAGER = step_plan(CPU, torch.float32)  # routing reads no dtype- or device-dependent field
+TRACED = step_plan(CPU, torch.float32, traced=True)
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -52,7 +59,7 @@ def test_route_softmax_matches_qwen3_moe_router(renormalize):
     torch.nn.init.normal_(router.weight)
     hidden = torch.randn(11, 64)
     logits, hf_weights, hf_ids = router(hidden)
-    weights, expert_ids = moe.route_softmax(logits, 4, renormalize)
+    weights, expert_ids = moe.route_softmax(logits, 4, renormalize, EAGER)
     assert weights.dtype == logits.dtype and expert_ids.dtype == torch.int64
     (weights, expert_ids), (hf_weights, hf_ids) = _by_expert(weights, expert_ids), _by_expert(hf_weights, hf_ids)
     assert torch.equal(expert_ids, hf_ids)
@@ -69,7 +76,7 @@ def test_route_sigmoid_bias_matches_lfm2_moe_router(use_bias, dtype):
     expert_bias = torch.randn(16) * 0.5 if use_bias else None
     with torch.no_grad():
         logits, hf_weights, hf_ids = router(torch.randn(9, 64, dtype=dtype), expert_bias)
-    weights, expert_ids = moe.route_sigmoid_bias(logits, expert_bias, 4, True, 1.7)
+    weights, expert_ids = moe.route_sigmoid_bias(logits, expert_bias, 4, True, 1.7, EAGER)
     (weights, expert_ids), (hf_weights, hf_ids) = _by_expert(weights, expert_ids), _by_expert(hf_weights, hf_ids)
     assert torch.equal(expert_ids, hf_ids)
     torch.testing.assert_close(weights, hf_weights)
@@ -85,14 +92,14 @@ def test_moe_experts_matches_hf_qwen3_moe_experts(num_tokens):
         hf.gate_up_proj.copy_(gate_up)
         hf.down_proj.copy_(down)
     x = torch.randn(num_tokens, 64)
-    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, 16), 4, True)
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, 16), 4, True, EAGER)
     with torch.no_grad():
         ref = hf(x, expert_ids, weights)
-    assert _rel_err(moe.moe_experts(x, weights, expert_ids, gate_up, down), ref) < 1e-5
+    assert _rel_err(moe.moe_experts(x, weights, expert_ids, gate_up, down, EAGER), ref) < 1e-5
 
 
 PATHS = {
-    "grouped": moe._experts_grouped,
+    "grouped": functools.partial(moe._experts_grouped, private=False),
     "gather_bmm": moe._experts_gather_bmm,
     "dense": moe._experts_dense,
     "gather_reduce": moe._experts_gather_reduce,  # compiled-only in use; eager here on tiny shapes is fine
@@ -107,7 +114,7 @@ def test_every_experts_path_matches_loop_twin(path, dtype, tol, num_tokens):
     x = torch.randn(num_tokens, 48).to(dtype)
     # skewed routing: a few hot experts and some never chosen, so groups of very different sizes and empty ones
     logits = torch.randn(num_tokens, 8) + torch.tensor([3.0, 2.0, 0, 0, -9, 0, 1, -9])
-    weights, expert_ids = moe.route_softmax(logits.to(dtype), 3, True)
+    weights, expert_ids = moe.route_softmax(logits.to(dtype), 3, True, EAGER)
     ref = moe.moe_experts_reference(x.double(), weights.double(), expert_ids, gate_up.double(), down.double())
     out = PATHS[path](x, weights, expert_ids, gate_up, down)
     assert out.dtype == dtype and out.shape == x.shape
@@ -127,10 +134,10 @@ def test_sort_by_expert_offsets_are_int32_group_ends():
 def test_moe_experts_makes_no_host_sync():
     gate_up, down = _experts(8, 32, 16, torch.float32, seed=1)
     x = torch.randn(5, 32)
-    weights, expert_ids = moe.route_softmax(torch.randn(5, 8), 2, True)
+    weights, expert_ids = moe.route_softmax(torch.randn(5, 8), 2, True, EAGER)
     with assert_no_host_sync():
-        moe.moe_experts(x, weights, expert_ids, gate_up, down)
-        moe.route_sigmoid_bias(torch.randn(5, 8), torch.randn(8), 2, True, 2.0)
+        moe.moe_experts(x, weights, expert_ids, gate_up, down, EAGER)
+        moe.route_sigmoid_bias(torch.randn(5, 8), torch.randn(8), 2, True, 2.0, EAGER)
 
 
 @pytest.mark.skipif(
@@ -141,15 +148,15 @@ def test_moe_experts_makes_no_host_sync():
 def test_route_and_experts_compile_fullgraph_on_cpu(dtype, num_tokens):
     gate_up, down = _experts(8, 32, 16, dtype, seed=2)
 
-    def block(x, router_logits):
-        weights, expert_ids = moe.route_softmax(router_logits, 2, True)
-        return moe.moe_experts(x, weights, expert_ids, gate_up, down)
+    def block(x, router_logits, plan):
+        weights, expert_ids = moe.route_softmax(router_logits, 2, True, plan)
+        return moe.moe_experts(x, weights, expert_ids, gate_up, down, plan)
 
     torch._dynamo.reset()
     compiled = torch.compile(block, fullgraph=True, dynamic=False)
     x, logits = torch.randn(num_tokens, 32).to(dtype), torch.randn(num_tokens, 8).to(dtype)
-    out = compiled(x, logits)
-    assert _rel_err(out, block(x, logits)) < (1e-5 if dtype == torch.float32 else 1e-2)
+    out = compiled(x, logits, step_plan(CPU, dtype, traced=True))
+    assert _rel_err(out, block(x, logits, step_plan(CPU, dtype))) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.skipif(
@@ -161,7 +168,7 @@ def test_compiled_top_k_picks_the_same_winners_as_topk(dtype):
     scores = torch.randn(37, 128).to(dtype)
     scores[0, :20] = scores[0, 5]  # a tie wider than k
     torch._dynamo.reset()
-    values, ids = torch.compile(moe.top_k_unsorted, fullgraph=True, dynamic=False)(scores, 8)
+    values, ids = torch.compile(moe.top_k_unsorted, fullgraph=True, dynamic=False)(scores, 8, True)
     expected = torch.topk(scores, 8, dim=-1).values
     assert ids.dtype == torch.int64 and values.shape == ids.shape == (37, 8)
     assert torch.equal(values.sort(dim=-1, descending=True).values, expected)
@@ -177,10 +184,11 @@ def test_compiled_routers_match_eager(use_bias):
     logits = torch.randn(9, 32)
     bias = torch.randn(32) if use_bias else None
     torch._dynamo.reset()
-    for route in (lambda t: moe.route_softmax(t, 4, True), lambda t: moe.route_softmax(t, 4, False),
-                  lambda t: moe.route_sigmoid_bias(t, bias, 4, True, 1.7)):
-        weights, expert_ids = torch.compile(route, fullgraph=True, dynamic=False)(logits)
-        eager_weights, eager_ids = _by_expert(*route(logits))
+    for route in (lambda t, plan: moe.route_softmax(t, 4, True, plan),
+                  lambda t, plan: moe.route_softmax(t, 4, False, plan),
+                  lambda t, plan: moe.route_sigmoid_bias(t, bias, 4, True, 1.7, plan)):
+        weights, expert_ids = torch.compile(route, fullgraph=True, dynamic=False)(logits, TRACED)
+        eager_weights, eager_ids = _by_expert(*route(logits, EAGER))
         weights, expert_ids = _by_expert(weights, expert_ids)
         assert torch.equal(expert_ids, eager_ids)
         torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
@@ -196,11 +204,13 @@ def test_compiled_winners_softmax_is_pointwise_and_matches_softmax(top_k):
     logits = torch.randn(6, 32) * 3
     logits[0, :top_k] = torch.linspace(-150.0, 150.0, top_k)  # exp of any difference here overflows float32
 
-    def route(t):
-        return moe.route_softmax(t, top_k, True, fuse=False)
+    inline = TRACED.for_inline_call()
+
+    def route(t, plan=inline):
+        return moe.route_softmax(t, top_k, True, plan)
 
     weights, expert_ids = _by_expert(*torch.compile(route, fullgraph=True, dynamic=False)(logits))
-    eager_weights, eager_ids = _by_expert(*route(logits))
+    eager_weights, eager_ids = _by_expert(*route(logits, EAGER))
     assert torch.equal(expert_ids, eager_ids)
     torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
     stored = _stored_buffers(route, logits[:1])
@@ -209,9 +219,10 @@ def test_compiled_winners_softmax_is_pointwise_and_matches_softmax(top_k):
 
 
 @pytest.mark.parametrize("fuse", [True, False])
-def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
-    """A layer compiled inline (fuse=False) keeps torch.topk: the fused rounds are slow to generate per layer."""
-    monkeypatch.setattr(moe.compat, "regions_compile_once", lambda: True)
+def test_routers_fuse_top_k_only_when_asked(fuse):
+    """A layer compiled inline (fused_top_k=False) keeps torch.topk: the fused rounds are slow to generate per
+    layer."""
+    plan = dataclasses.replace(TRACED, fused_top_k=fuse)
     traced_ops = []
 
     def record(graph_module, example_inputs):
@@ -219,11 +230,11 @@ def test_routers_fuse_top_k_only_when_asked(fuse, monkeypatch):
         return graph_module.forward
 
     torch._dynamo.reset()
-    route = torch.compile(lambda t: moe.route_softmax(t, 4, True, fuse), backend=record, fullgraph=True)
+    route = torch.compile(lambda t: moe.route_softmax(t, 4, True, plan), backend=record, fullgraph=True)
     logits = torch.randn(3, 16)
     weights, expert_ids = _by_expert(*route(logits))
     assert any("topk" in op for op in traced_ops) != fuse
-    eager_weights, eager_ids = _by_expert(*moe.route_softmax(logits, 4, True))
+    eager_weights, eager_ids = _by_expert(*moe.route_softmax(logits, 4, True, EAGER))
     assert torch.equal(expert_ids, eager_ids)
     torch.testing.assert_close(weights, eager_weights, rtol=1e-6, atol=1e-7)
 
@@ -275,7 +286,7 @@ def test_gather_reduce_reads_each_chosen_expert_in_place_with_the_swiglu_beside_
     def experts_and_residual(x, weights, expert_ids, residual):
         return residual + experts(x, weights, expert_ids)
 
-    weights, expert_ids = moe.route_softmax(torch.randn(1, num_experts), top_k, True)
+    weights, expert_ids = moe.route_softmax(torch.randn(1, num_experts), top_k, True, EAGER)
     stored = _stored_buffers(experts_and_residual, torch.randn(1, hidden), weights, expert_ids, torch.randn(1, hidden))
     assert max(len(size) for _, size in stored) <= 2  # nothing of [k, rows, H]: the weights are read in place
     assert [kind for kind, size in stored if size == [top_k, inter]] == ["Reduction", "Reduction", "Pointwise"]

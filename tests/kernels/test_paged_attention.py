@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from server.kernels import flex_decode
+from server.kernels import flex_decode, flex_probe
 from server.kernels.flex_decode import decode_block_mask
 from server.kernels.paged_attention import gathered_decode_attention, paged_attention, prefill_sdpa_backends, write_kv
+from server.kernels.plan import step_plan
 from server.models.base import AttentionMetadata
+
+EAGER = step_plan("cpu", torch.float32)
 
 
 def naive(q, k, v, scale):  # q [T, H, D] for positions start..start+T-1; k, v [S, Hkv, D] for positions 0..S-1
@@ -73,7 +76,7 @@ def test_mixed_prefill_and_decode_batch(seed, heads, kv_heads):
     q, k, v, k_cache, v_cache, meta, expected = build_case(seed, [(0, 7), (9, 1), (5, 6), (13, 1)], heads=heads,
                                                             kv_heads=kv_heads)
     k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, EAGER)
     assert (out - expected).abs().max() < 1e-5
 
 
@@ -84,7 +87,7 @@ def test_decode_form_matches(seed, heads, kv_heads):
     out = gathered_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.query_positions[:, 0], q.shape[-1] ** -0.5)
     assert (out - expected).abs().max() < 1e-5
     meta.is_decode = True  # one query per sequence: the decode form, query rows taken as views
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, EAGER)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
 
 
@@ -96,7 +99,7 @@ def test_fresh_prefill_attends_over_the_step_alone(lens):
     meta.fresh_prefill = True
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, EAGER)
     assert out.shape == q.shape
     assert (out - expected).abs().max() < 1e-5
 
@@ -110,27 +113,29 @@ def test_flex_decode_matches(seed, lens):
     k_cache, v_cache = write_kv(layer_cache(k_cache, v_cache), k, v, meta.slot_mapping)
     positions = meta.query_positions[:, 0]
     meta.is_decode = True
-    meta.decode_block_mask = decode_block_mask(meta.block_tables, positions, k_cache.shape[1], k_cache.shape[0] * k_cache.shape[1])
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5)
+    meta.decode_block_mask = decode_block_mask(meta.block_tables, positions, k_cache.shape[1],
+                                               k_cache.shape[0] * k_cache.shape[1], EAGER.flex_listed_blocks)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, q.shape[-1] ** -0.5, EAGER)
     assert out.shape == q.shape and (out - expected).abs().max() < 1e-5
 
 
 def test_flex_probe_accepts_a_right_kernel_and_names_a_wrong_or_failing_one(monkeypatch):
     """The probe that gates flex decode attention on a device, run with torch.compile replaced by eager (the
     eager FlexAttention is right) and then with a kernel that is off by a little, or raises."""
-    probe = flex_decode.probe_compiled.__wrapped__  # uncached
+    probe = flex_probe.probe_compiled.__wrapped__  # uncached
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(flex_probe, "step_plan", lambda device, dtype, traced: step_plan(device, dtype))  # eager forms
     ok, reason = probe("cpu", torch.float32, 4)
     assert ok, reason
     right = flex_decode.flex_decode_attention
-    monkeypatch.setattr(flex_decode, "flex_decode_attention", lambda *a: right(*a) * 1.01)
+    monkeypatch.setattr(flex_probe, "flex_decode_attention", lambda *a: right(*a) * 1.01)
     ok, reason = probe("cpu", torch.float32, 4)
     assert not ok and "wrong here" in reason
 
     def broken(*args):
         raise RuntimeError("no kernel for this mask")
 
-    monkeypatch.setattr(flex_decode, "flex_decode_attention", broken)
+    monkeypatch.setattr(flex_probe, "flex_decode_attention", broken)
     assert probe("cpu", torch.bfloat16, 16) == (False, "compiling it failed: RuntimeError: no kernel for this mask")
 
 

@@ -18,7 +18,7 @@ from server.engine.model_runner import KVCache
 from server.engine.state_cache import StateSlots
 from server.engine.types import SamplingParams
 from server.kernels import compat
-from server.models import layers as layers_mod
+from server.models import regions
 from tests.helpers import hf_greedy, make_engine, random_ids
 from tests.kernels.sync_guard import assert_no_host_sync
 
@@ -287,32 +287,31 @@ def test_state_snapshot_is_published_only_once_its_copy_is_launched():
 @pytest.mark.parametrize("arch", ["lfm2_moe", "qwen3_5_moe_text"])
 def test_only_layers_compiled_as_regions_fuse_their_routers_top_k(arch, hybrid_checkpoint, monkeypatch):
     """Gated DeltaNet layers (a graph break in the chunked prefill) compile inline in prefill, where a fused top-k
-    would be generated per layer; in the decode step (no break) every layer is a region, and fuses it."""
-    from server.kernels import moe
-
-    fused = []  # the `fuse` each router call was given, in call order
-    for name in ("route_softmax", "route_sigmoid_bias"):
-        route = getattr(moe, name)
-        monkeypatch.setattr(moe, name, lambda *args, route=route: fused.append(args[-1]) or route(*args))
+    would be generated per layer; in the decode step (no break) every layer is a region, and fuses it. A step whose
+    layers are inlined (the C++ wrapper's) calls regions traced once where torch inlines them after tracing, with
+    the per-layer top-k; an eager step calls every layer as is."""
     path, _ = hybrid_checkpoint(arch)
     engine = make_engine(path)
-    engine.generate(random_ids(5, 5), SamplingParams(max_tokens=1, temperature=0.0))
-    layers = [layer for layer in engine.model.model.layers
-              if getattr(getattr(layer, layer.names[3]), "routes_top_k", False)]
-    assert layers and fused == [layer.traces_whole for layer in layers]
-    assert set(fused) == ({True} if arch == "lfm2_moe" else {True, False})
-    paths = []  # how each decoder layer runs: as a region (compiled once for all layers) or inline
-    monkeypatch.setattr(layers_mod, "_call_region", lambda *args, fuse_top_k: paths.append(("region", fuse_top_k)))
-    monkeypatch.setattr(layers_mod, "_layer_forward", lambda *args, **kwargs: paths.append("inline"))
-    all_layers = engine.model.model.layers
-    # A step whose layers are inlined (the C++ wrapper's) calls regions traced once where torch inlines them after
-    # tracing, with the per-layer top-k.
-    inlined = ("region", False) if compat.regions_inline_after_tracing() else "inline"
-    for is_decode, layers_inline, expected in (
-            (False, False, [("region", True) if layer.traces_whole else "inline" for layer in all_layers]),
-            (True, False, [("region", True)] * len(all_layers)),  # no graph break in a decode step
-            (True, True, [inlined] * len(all_layers))):
+    plans = engine.runner.plans
+    traces_whole = [layer.traces_whole for layer in engine.model.model.layers]
+    assert set(traces_whole) == ({True} if arch == "lfm2_moe" else {True, False})
+    paths = []  # how each decoder layer runs: as a region (compiled once for all layers) or inline, fused or not
+    monkeypatch.setattr(regions, "_call_region", lambda *args: paths.append(("region", args[-1].fused_top_k)))
+
+    class Layer:
+        def __init__(self, whole: bool):
+            self.traces_whole = whole
+
+        def __call__(self, x, rope, meta, cache, plan):
+            paths.append(("inline", plan.fused_top_k))
+
+    inlined = ("region", False) if compat.regions_inline_after_tracing() else ("inline", False)
+    for plan, is_decode, expected in (
+            (plans.compiled, False, [("region", True) if whole else ("inline", False) for whole in traces_whole]),
+            (plans.compiled, True, [("region", True)] * len(traces_whole)),  # no graph break in a decode step
+            (plans.compiled_layers_inline, True, [inlined] * len(traces_whole)),
+            (plans.eager, False, [("inline", False)] * len(traces_whole))):
         paths.clear()
-        for layer in all_layers:
-            layer(None, None, SimpleNamespace(is_decode=is_decode, layers_inline=layers_inline), None)
+        for whole in traces_whole:
+            regions.call_layer_region(Layer(whole), None, None, SimpleNamespace(is_decode=is_decode), None, plan)
         assert paths == expected

@@ -7,7 +7,12 @@ import shutil
 import pytest
 import torch
 
+from server.kernels.plan import step_plan
 from server.models.layers import RMSNorm
+
+EAGER = step_plan("cpu", torch.float32)
+# A layer traced inline (no fused router top-k), as a compiled step runs the layers that are not regions.
+INLINE = step_plan("cpu", torch.float32, traced=True).for_inline_call()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -53,12 +58,12 @@ def test_compiled_shared_expert_gate_is_a_reduction_not_a_linear():
     torch._dynamo.reset()
     x = torch.randn(3, 64)
     with torch.no_grad():
-        got = torch.compile(lambda t: moe(t, False), backend=record, fullgraph=True)(x)
-        expected = moe(x, False)
+        got = torch.compile(lambda t: moe(t, INLINE), backend=record, fullgraph=True)(x)
+        expected = moe(x, EAGER)
     assert linear_weights and (1, 64) not in linear_weights
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(lambda t: moe(t, False), fullgraph=True)(x), expected,
+        torch.testing.assert_close(torch.compile(lambda t: moe(t, INLINE), fullgraph=True)(x), expected,
                                    rtol=1e-5, atol=1e-6)
 
 
@@ -74,8 +79,8 @@ def test_compiled_partial_rope_matches_eager_and_passes_the_rest_exactly(dtype):
     x = torch.randn(3, 5, 32, generator=gen).to(dtype)
     cos, sin = torch.randn(3, 8, generator=gen).to(dtype), torch.randn(3, 8, generator=gen).to(dtype)
     torch._dynamo.reset()
-    got = torch.compile(apply_rope, fullgraph=True)(x, cos, sin)
-    expected = apply_rope(x, cos, sin)
+    got = torch.compile(apply_rope, fullgraph=True)(x, cos, sin, INLINE.partial_rope_whole_head)
+    expected = apply_rope(x, cos, sin, EAGER.partial_rope_whole_head)
     assert torch.equal(got[..., 8:], x[..., 8:])
     tolerance = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)  # eager rounds after each op
     torch.testing.assert_close(got, expected, **tolerance)
@@ -100,14 +105,14 @@ def test_compiled_gated_attention_norms_q_and_k_heads_as_one_tensor():
         norms.extend(n for n in graph_module.graph.nodes if n.op == "call_function" and "rms_norm" in str(n.target))
         return graph_module.forward
 
-    def norm_rope(q, k):
-        return attn._norm_rope_qk(q, k, rope)
+    def norm_rope(q, k, plan):
+        return attn._norm_rope_qk(q, k, rope, plan)
 
     q, k = torch.randn(3, 4, 32), torch.randn(3, 2, 32)
     torch._dynamo.reset()
     with torch.no_grad():
-        torch.compile(norm_rope, backend=record, fullgraph=True)(q, k)
-        got, expected = torch.compile(norm_rope, fullgraph=True)(q, k), norm_rope(q, k)
+        torch.compile(norm_rope, backend=record, fullgraph=True)(q, k, INLINE)
+        got, expected = torch.compile(norm_rope, fullgraph=True)(q, k, INLINE), norm_rope(q, k, EAGER)
     assert len(norms) == 1
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
@@ -134,7 +139,7 @@ def test_compiled_decoder_layer_stores_the_moe_block_input_once_for_the_router_a
     """A decoder layer stores its FFN's input (the post-attention norm's output) in one buffer, not recomputed
     inside the MoE router's and each expert projection's reduction for every output row; the eager numbers."""
     from server.models.hybrid import SigmoidBiasMoE
-    from server.models.layers import DecoderLayer, SoftmaxMoE, _layer_forward
+    from server.models.layers import DecoderLayer, SoftmaxMoE
     from tests.kernels.test_moe import _stored_buffers
 
     hidden = 32
@@ -149,11 +154,11 @@ def test_compiled_decoder_layer_stores_the_moe_block_input_once_for_the_router_a
         torch.nn.init.normal_(param, std=0.2)
     block.gate = _OneTokenReduction(block.gate.weight)
 
-    def decode(x):
-        return _layer_forward(layer, x, None, None, None, fuse_top_k=False)
+    def decode(x, plan=INLINE):
+        return layer(x, None, None, None, plan)
 
     x = torch.randn(1, hidden)
     assert ("Pointwise", [1, hidden]) in _stored_buffers(decode, x)[:-1]  # the last: the layer's output
     with torch.no_grad():
-        torch.testing.assert_close(torch.compile(decode, fullgraph=True)(x), decode(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.compile(decode, fullgraph=True)(x), decode(x, EAGER), rtol=1e-5, atol=1e-6)
 

@@ -4,6 +4,7 @@ loop and its step-level parts; no import circle between any two modules of serve
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "server"
@@ -127,3 +128,29 @@ def test_the_walker_sees_an_upward_import(tmp_path):
     bad.write_text("from server.engine.engine import Engine\nimport torch\n")
     assert imports_of(bad) == {"server.engine.engine", "torch"}
     assert layer_of("server.engine.engine") == "engine"
+
+
+# Which form of an op runs is the step plan's to say (server/kernels/plan.py): kernels and models neither ask
+# whether torch.compile traces them nor test the device's type. The probe (capabilities), the plan builder and the
+# named device facts of plumbing (devices) may.
+MAY_ASK_THE_DEVICE = {"kernels/capabilities.py", "kernels/plan.py", "kernels/devices.py"}
+ASKING = re.compile(r"is_compiling\(|\.type\s*[!=]=|device\.type\b")
+
+
+def test_kernels_and_models_take_their_forms_from_the_plan():
+    violations = []
+    for layer in ("kernels", "models"):
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            if str(path.relative_to(ROOT)) in MAY_ASK_THE_DEVICE:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if ASKING.search(line):
+                    violations.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not violations, violations
+
+
+def test_the_form_check_sees_each_way_of_asking():
+    asking = ["if torch.compiler.is_compiling():", 'if x.device.type == "mps":', 'cuda = device.type != "cpu"',
+              'kind = torch.device(d).type == "cuda"']
+    assert all(ASKING.search(line) for line in asking)
+    assert not ASKING.search("if plan.fused_top_k and top_k <= MAX_FUSED_TOP_K:")
