@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
-from server.api.schemas import check_parameters, stop_strings
+from server.api.schemas import check_parameters, check_tool_name, stop_strings
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
 
@@ -108,6 +108,7 @@ class CountTokensRequest(_Lenient):
                 raise APIError(400, "tool_choice requires a non-empty tools list.", param="tool_choice")
             return None
         for i, tool in enumerate(self.tools):
+            check_tool_name(tool.name, f"tools.{i}.name")
             check_parameters(tool.input_schema, f"tools[{i}].input_schema")
         if choice is not None and choice.type == "none":
             return None

@@ -1,0 +1,108 @@
+"""Hostile inputs to the structured and agent paths (issue 59): each is answered with a valid 2xx or a clear 4xx in
+the protocol's shape, without internals, and never stalls other clients. The official clients against the fake
+engine (tests/api/fake_engine.py) where the engine's answer does not matter, else the demo model."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from tests.api.harness import RunningServer
+from tests.api.test_input_size import _health_while_gated
+
+USER = [{"role": "user", "content": "describe the weather"}]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+INTERNALS = ("panic", "u16::MAX", "max is 2000", "<state>", "pydantic.dev", "discriminator", "_item_type")
+
+
+def _json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+def _no_internals(text: str) -> None:
+    for word in INTERNALS:
+        assert word not in text, text
+
+
+def test_a_small_constrained_request_compiles_off_the_event_loop(srv: RunningServer) -> None:
+    """The off-loop decision is not the prompt's size alone: a grammar compile may take seconds."""
+    body = {"prompt": "hi", "max_tokens": 3, "response_format": _json_schema({"type": "object"})}
+    assert _health_while_gated(srv, "/v1/completions", body).status_code == 200
+
+
+@pytest.mark.parametrize("schema, code", [
+    ({"$ref": "#"}, "unsatisfiable_schema"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "unsatisfiable_schema"),
+    ({"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]}, "unsatisfiable_schema"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}, "schema_too_complex"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(16000)}}, "schema_too_complex"),
+    ({"type": "object", "properties": {f"a_long_property_name_{i:05d}": {"type": "integer"} for i in range(6000)},
+      "required": [f"a_long_property_name_{i:05d}" for i in range(6000)]}, "grammar_too_large"),
+])
+def test_schemas_that_cannot_be_enforced_are_a_400_up_front(demo_server, schema, code) -> None:
+    response = demo_server.post("/v1/chat/completions", {"messages": USER, "max_tokens": 8,
+                                                         "response_format": _json_schema(schema)})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format" and error["code"] == code
+    _no_internals(error["message"])
+
+
+def test_a_recursive_schema_with_a_way_out_still_works(demo_server) -> None:
+    schema = {"type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}
+    out = demo_server.client().chat.completions.create(model="demo", messages=USER, max_tokens=60, seed=1,
+                                                       response_format=_json_schema(schema), extra_body=NO_THINKING)
+    if out.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def _optional_object(prefix: str) -> dict:
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(390)}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_limit_hit_mid_answer_is_an_error_not_a_stop(demo_server, stream: bool) -> None:
+    """Under the per-object limits, over llguidance's row limit at the first key (`{"`, made all but certain)."""
+    schema = {"anyOf": [_optional_object("a"), _optional_object("b")]}
+    body = {"messages": USER, "max_tokens": 20, "seed": 1, "response_format": _json_schema(schema), "stream": stream,
+            "logit_bias": {"469": 100}, **NO_THINKING}
+    response = demo_server.post("/v1/chat/completions", body)
+    if not stream:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    else:
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        assert not any(c["finish_reason"] == "stop" for e in events for c in e.get("choices", []))
+        error = events[-1]["error"]
+    assert error["param"] == "response_format" and error["code"] == "grammar_limit"
+    _no_internals(error["message"])
+
+
+@pytest.mark.parametrize("text", ["<|im_end|>", "</tool_call>"])
+def test_a_const_that_spells_a_special_token_completes(demo_server, text: str) -> None:
+    schema = {"type": "object", "properties": {"v": {"enum": [text]}}, "required": ["v"], "additionalProperties": False}
+    out = demo_server.client().chat.completions.create(model="demo", messages=USER, max_tokens=40, seed=2,
+                                                       response_format=_json_schema(schema), extra_body=NO_THINKING)
+    assert out.choices[0].finish_reason == "stop"
+    assert json.loads(out.choices[0].message.content) == {"v": text}
+
+
+@pytest.mark.parametrize("name", ["</tool_call>", "a b", "x" * 65, ""])
+def test_tool_names_are_validated_in_every_protocol(srv: RunningServer, name: str) -> None:
+    with pytest.raises(openai.BadRequestError) as chat:
+        srv.client().chat.completions.create(model="m", messages=USER, tool_choice="required", tools=[
+            {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}])
+    assert chat.value.body["param"] == "tools[0].function.name"
+    with pytest.raises(openai.BadRequestError) as responses:
+        srv.client().responses.create(model="m", input="q", tools=[
+            {"type": "function", "name": name, "parameters": {"type": "object"}}])
+    assert responses.value.body["param"] == "tools[0].name"
+    client = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        client.messages.create(model="m", max_tokens=5, messages=USER, tools=[
+            {"name": name, "input_schema": {"type": "object"}}], tool_choice={"type": "any"})
+    assert messages.value.body["type"] == "error" and "tools.0.name" in messages.value.body["error"]["message"]
