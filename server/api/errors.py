@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -132,14 +133,23 @@ def _readable(err: dict[str, Any]) -> str:
     return str(err.get("msg", "invalid value"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI,
+                           shapes: dict[str, Callable[[APIError], Response]] | None = None) -> None:
+    """`shapes`: a path prefix -> the response of an error there (Anthropic's shape under /v1/messages, for the
+    router's own 404 and 405 too); elsewhere OpenAI's."""
+    def shaped(request: Request, err: APIError) -> Response:
+        for prefix, respond in (shapes or {}).items():
+            if request.url.path == prefix or request.url.path.startswith(prefix + "/"):
+                return respond(err)
+        return err.response()
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> Response:
+        return shaped(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -150,7 +160,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
         err = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-        return err.response()
+        return shaped(request, err)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, _: ClientDisconnect) -> Response:
@@ -159,5 +169,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return shaped(request, from_engine_error(exc))

@@ -1,6 +1,7 @@
 """Pydantic models of the OpenAI requests this server accepts, and their mapping to SamplingParams.
 
-Unknown fields are ignored (editors send `prompt_cache_key`, `reasoning_effort`, ...).
+Unknown fields are ignored (editors send `prompt_cache_key`, ...). `reasoning_effort: "none"` turns the template's
+thinking switch off (enable_thinking=False), as Responses' reasoning.effort does; chat_template_kwargs win.
 Extras beyond OpenAI's fields follow vLLM's names: top_k, min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, chat_template_kwargs.
 """
@@ -142,6 +143,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: str | None = None  # "none" turns the template's thinking off; other efforts keep its default
 
     @property
     def requested_max_tokens(self) -> int | None:

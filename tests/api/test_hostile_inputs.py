@@ -5,12 +5,15 @@ engine (tests/api/fake_engine.py) where the engine's answer does not matter, els
 from __future__ import annotations
 
 import json
+import sys
 
 import anthropic
+import httpx
 import jsonschema
 import openai
 import pytest
 
+from tests.api.fake_engine import Script
 from tests.api.harness import RunningServer
 from tests.api.test_input_size import _health_while_gated
 
@@ -106,3 +109,67 @@ def test_tool_names_are_validated_in_every_protocol(srv: RunningServer, name: st
         client.messages.create(model="m", max_tokens=5, messages=USER, tools=[
             {"name": name, "input_schema": {"type": "object"}}], tool_choice={"type": "any"})
     assert messages.value.body["type"] == "error" and "tools.0.name" in messages.value.body["error"]["message"]
+
+
+def _anthropic(srv: RunningServer) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0, timeout=30)
+
+
+def test_messages_without_thinking_do_not_think(srv: RunningServer) -> None:
+    _anthropic(srv).messages.create(model="m", max_tokens=5, messages=USER)
+    assert srv.engine.rendered[-1]["kwargs"] == {"enable_thinking": False}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "tool_choice": {"type": "tool", "name": "f"}},
+     "tool_choice"),
+    ({"thinking": {"type": "enabled", "budget_tokens": -5}}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 4096}}, "thinking.budget_tokens"),  # not under max_tokens
+])
+def test_messages_thinking_rules_are_anthropics(srv: RunningServer, extra: dict, param: str) -> None:
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        _anthropic(srv).messages.create(model="m", max_tokens=2048, messages=USER, tools=tools, **extra)
+    assert refused.value.body["type"] == "error" and param.split(".")[0] in refused.value.body["error"]["message"]
+
+
+def test_reasoning_effort_none_turns_thinking_off_on_chat(srv: RunningServer) -> None:
+    srv.client().chat.completions.create(model="m", messages=USER, reasoning_effort="none")
+    assert srv.engine.rendered[-1]["kwargs"] == {"enable_thinking": False}
+    srv.client().chat.completions.create(model="m", messages=USER, reasoning_effort="none",
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert srv.engine.rendered[-1]["kwargs"] == {"enable_thinking": True}  # the explicit switch wins
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("POST", "/v1/messages/nope", 404), ("GET", "/v1/messages", 405), ("GET", "/v1/messages/count_tokens", 405),
+])
+def test_messages_routes_answer_404_and_405_in_anthropics_shape(srv: RunningServer, method, path, status) -> None:
+    response = httpx.request(method, srv.url + path, json={})
+    assert response.status_code == status
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}
+
+
+def test_responses_errors_name_input_and_show_no_internals(srv: RunningServer) -> None:
+    long_input = "word " * 5000  # over the fake engine's context of 4096 words
+    response = srv.post("/v1/responses", {"input": long_input})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "input"
+    assert "messages" not in error["message"] and "input" in error["message"]
+    for body in ({"input": [{"type": "bogus"}]}, {"input": [{"role": "user"}]},
+                 {"input": "q", "tools": [{"type": "function", "name": 3}]}):
+        response = srv.post("/v1/responses", body)
+        assert response.status_code == 400, response.text
+        _no_internals(response.text)
+
+
+def test_an_out_of_range_number_in_tool_input_renders(srv: RunningServer) -> None:
+    """Valid JSON the grammar allows for a `number`, which Python reads as inf: the Messages answer still renders."""
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 61431e8446496323440, "y": -1e999, "z": 1.5}}\n</tool_call>'
+    srv.engine.script = Script(pieces=[call])
+    tools = [{"name": "f", "input_schema": {"type": "object", "properties": {"x": {"type": "number"}}}}]
+    out = _anthropic(srv).messages.create(model="m", max_tokens=50, messages=USER, tools=tools)
+    (use,) = [block for block in out.content if block.type == "tool_use"]
+    assert use.input == {"x": sys.float_info.max, "y": -sys.float_info.max, "z": 1.5}
