@@ -173,3 +173,28 @@ def test_an_out_of_range_number_in_tool_input_renders(srv: RunningServer) -> Non
     out = _anthropic(srv).messages.create(model="m", max_tokens=50, messages=USER, tools=tools)
     (use,) = [block for block in out.content if block.type == "tool_use"]
     assert use.input == {"x": sys.float_info.max, "y": -sys.float_info.max, "z": 1.5}
+
+
+def test_forced_tool_objects_without_additional_properties_are_closed() -> None:
+    """pydantic / LangChain schemas leave additionalProperties out: a forced call may not add undeclared keys (and so
+    run on to max_tokens, which left Anthropic's tool_use input {})."""
+    from server.api.structured import tool_choice_output
+    from server.engine.demo import ensure_demo_model
+    from server.engine.grammar import Grammars
+    from server.engine.tokenizer import Tokenizer
+
+    nested = {"type": "object", "properties": {"b": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": nested}, "required": ["a"]}}}
+    tokenizer = Tokenizer.from_pretrained(ensure_demo_model())
+    grammars = Grammars(tokenizer, tokenizer.vocab_size)
+    spec = tool_choice_output([tool], "json", parallel=False, reasoning="none")
+
+    def accepts(arguments: str) -> bool:
+        matcher = grammars.compile(spec)
+        text = '<tool_call>\n{"name": "f", "arguments": ' + arguments + "}\n</tool_call>"
+        return not any(matcher.advance(t) for t in tokenizer.encode(text, add_special_tokens=False)[:-1])
+
+    assert accepts('{"a": {"b": 1}}')
+    assert not accepts('{"a": {"b": 1}, "extra": 2}') and not accepts('{"a": {"b": 1, "c": 3}}')
+    assert "additionalProperties" not in tool["function"]["parameters"]  # the request's tools are left as sent
