@@ -99,9 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", parents=common)
     _add_model_args(serve)
     serve.add_argument("--host", default=None, help=f"bind address (default: {SERVER_DEFAULTS.host})")
-    serve.add_argument("--port", type=int, default=None, help=f"TCP port (default: {SERVER_DEFAULTS.port})")
+    serve.add_argument("--port", type=_port, default=None, help=f"TCP port (default: {SERVER_DEFAULTS.port})")
     serve.add_argument("--api-key", default=None,
-                       help="require 'Authorization: Bearer KEY' on the /v1 endpoints (default: none, open)")
+                       help="require 'Authorization: Bearer KEY' or 'x-api-key: KEY' on the /v1 endpoints "
+                            "(default: none, open)")
     serve.add_argument("--served-model-name", default=None,
                        help="the model name /v1/models lists (default: the MODEL argument)")
     serve.add_argument("--no-warmup", action="store_true",
@@ -295,3 +296,14 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free port), as argparse checks its arguments: a bad one is a one-line error."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0-65535, got {port}")
+    return port

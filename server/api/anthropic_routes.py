@@ -4,7 +4,9 @@
 tool_choice "any" and "tool" are enforced by a grammar (api.structured), as "required" and a named function in
 chat completions, with `disable_parallel_tool_use`; under "auto" the output stays free, so that flag is not
 enforced there. Thinking blocks sent back in history are rendered as the assistant's reasoning; their signatures
-are ignored.
+are ignored. Without `thinking` the model does not think (the Messages API's default, whatever the template's);
+thinking with a forced tool is refused, as Anthropic does; `budget_tokens` is validated as Anthropic does (at
+least 1,024, under max_tokens) but not enforced: the reasoning is bounded by max_tokens only.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ async def messages(request: Request) -> Response:
     state: ServingState = request.app.state.serving
     engine = state.ready_engine()
     req: MessagesRequest = parse_body(MessagesRequest, await read_json(request, state.config.max_request_body_bytes))
+    req.check_thinking()
     params = req.to_sampling_params()
     validate_params(params, {"stop": "stop_sequences"})
     tools = req.tools_for_template()

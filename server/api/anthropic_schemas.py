@@ -12,9 +12,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
-from server.api.schemas import check_parameters, stop_strings
+from server.api.schemas import check_parameters, check_tool_name, stop_strings
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
+
+MIN_THINKING_BUDGET = 1024  # the Messages API's minimum
 
 
 class _Lenient(BaseModel):
@@ -95,10 +97,9 @@ class CountTokensRequest(_Lenient):
         return out
 
     def template_kwargs(self) -> dict[str, Any]:
-        """`thinking` mapped to the templates' switch (Qwen3's enable_thinking); absent: the template's default."""
-        if self.thinking is None:
-            return {}
-        return {"enable_thinking": self.thinking.type != "disabled"}
+        """`thinking` mapped to the templates' switch (Qwen3's enable_thinking); absent means no thinking, as in
+        the Messages API (whatever the template's default)."""
+        return {"enable_thinking": self.thinking is not None and self.thinking.type != "disabled"}
 
     def tools_for_template(self) -> list[dict[str, Any]] | None:
         """OpenAI-style function tools the template sees: none for tool_choice none, the named one for "tool"."""
@@ -108,6 +109,7 @@ class CountTokensRequest(_Lenient):
                 raise APIError(400, "tool_choice requires a non-empty tools list.", param="tool_choice")
             return None
         for i, tool in enumerate(self.tools):
+            check_tool_name(tool.name, f"tools.{i}.name")
             check_parameters(tool.input_schema, f"tools[{i}].input_schema")
         if choice is not None and choice.type == "none":
             return None
@@ -133,6 +135,21 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
+
+    def check_thinking(self) -> None:
+        """Anthropic's rules: budget_tokens at least 1,024 and under max_tokens (validated, not enforced: the
+        reasoning is cut by max_tokens only); no thinking while tool_choice forces a tool."""
+        thinking = self.thinking
+        if thinking is None or thinking.type == "disabled":
+            return
+        budget = thinking.budget_tokens
+        if thinking.type == "enabled" and budget is None:
+            raise APIError(400, "thinking.budget_tokens: Field required", param="thinking.budget_tokens")
+        if budget is not None and not MIN_THINKING_BUDGET <= budget < self.max_tokens:
+            raise APIError(400, f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET} and less than "
+                           f"max_tokens ({self.max_tokens}), got {budget}.", param="thinking.budget_tokens")
+        if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            raise APIError(400, "Thinking may not be enabled when tool_choice forces tool use.", param="tool_choice")
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(

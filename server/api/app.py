@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from server.api import anthropic_routes, embeddings, responses_routes
+from server.api import anthropic_output, anthropic_routes, embeddings, responses_routes
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.openapi import install_openapi
@@ -42,7 +42,7 @@ def create_app(
 
     app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
-    install_error_handlers(app)
+    install_error_handlers(app, {anthropic_output.ANTHROPIC_ROUTE_PREFIX: anthropic_output.error_response})
     install_openapi(app)
     app.include_router(router)
     app.include_router(anthropic_routes.router)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -75,6 +76,8 @@ def from_engine_error(exc: Exception, *, about_input: bool = False) -> APIError:
         return APIError(429, str(exc), code="queue_full", headers={"Retry-After": retry_after})
     if isinstance(exc, ModelLoadError):
         return APIError(503, str(exc), code="model_not_loaded")
+    if isinstance(exc, ValidationError):
+        return validation_error(exc)
     if about_input and (_is_template_error(exc) or isinstance(exc, ValueError)):
         # A chat template's raise_exception() or a bad value is about the request, not the server.
         return APIError(400, str(exc) or type(exc).__name__, code="invalid_request")
@@ -101,26 +104,52 @@ def _is_template_error(exc: Exception) -> bool:
     return isinstance(exc, TemplateError)
 
 
-def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
-    """Pydantic errors as one readable 400; `param` is the first offending field's dotted path."""
-    errors = exc.errors()
+def validation_error(exc: ValidationError | RequestValidationError, prefix: str = "") -> APIError:
+    """Pydantic errors as one readable 400; `param` is the first offending field's dotted path (after `prefix`).
+    The messages are pydantic's short ones, without its internals (a discriminator function's name)."""
+    errors = exc.errors(include_url=False) if isinstance(exc, ValidationError) else exc.errors()
     parts, first_param = [], None
     for err in errors[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
+        loc = prefix + ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",) and not _is_tag(p))
         first_param = first_param or loc or None
-        parts.append(f"{loc}: {err.get('msg', 'invalid value')}" if loc else str(err.get("msg")))
+        msg = _readable(err)
+        parts.append(f"{loc}: {msg}" if loc else msg)
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return APIError(400, "Invalid request: " + "; ".join(parts) + more, param=first_param, code="invalid_value")
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def _is_tag(part: Any) -> bool:
+    """A union member's name in pydantic's error path ("function-after[...]", "MessageItem"), not a field."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part)
+
+
+def _readable(err: dict[str, Any]) -> str:
+    kind = err.get("type")
+    if kind == "union_tag_not_found":
+        return "the item has no recognised type"
+    if kind == "union_tag_invalid":
+        expected = (err.get("ctx") or {}).get("expected_tags", "")
+        return f"unknown type {(err.get('ctx') or {}).get('tag')!r}; expected one of {expected}"
+    return str(err.get("msg", "invalid value"))
+
+
+def install_error_handlers(app: FastAPI,
+                           shapes: dict[str, Callable[[APIError], Response]] | None = None) -> None:
+    """`shapes`: a path prefix -> the response of an error there (Anthropic's shape under /v1/messages, for the
+    router's own 404 and 405 too); elsewhere OpenAI's."""
+    def shaped(request: Request, err: APIError) -> Response:
+        for prefix, respond in (shapes or {}).items():
+            if request.url.path == prefix or request.url.path.startswith(prefix + "/"):
+                return respond(err)
+        return err.response()
+
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _request_validation(request: Request, exc: RequestValidationError) -> Response:
+        return shaped(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -131,7 +160,7 @@ def install_error_handlers(app: FastAPI) -> None:
         else:
             message = str(exc.detail) if exc.detail else HTTPStatus(exc.status_code).phrase
         err = APIError(exc.status_code, message, headers=dict(exc.headers or {}))
-        return err.response()
+        return shaped(request, err)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_left(request: Request, _: ClientDisconnect) -> Response:
@@ -140,5 +169,5 @@ def install_error_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return from_engine_error(exc).response()
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        return shaped(request, from_engine_error(exc))

@@ -57,7 +57,9 @@ async def submit_choices(
                 # seeded n>1 choices differ from each other yet stay reproducible
                 choice_params = params if params.seed is None or j == 0 else replace(params, seed=params.seed + j)
                 rid = request_id if num_new == 1 else f"{request_id}-{len(choices)}"
-                handle = await offloader.run(input_chars(prompt), engine.submit, prompt, choice_params, request_id=rid)
+                # a grammar compiles in submit: seconds for a large schema, whatever the prompt's size
+                handle = await offloader.run(input_chars(prompt), engine.submit, prompt, choice_params, request_id=rid,
+                                             off_loop=params.structured is not None)
                 choices.append(Choice(len(choices), prompt_index, handle, prompt_tokens=handle.prompt_tokens))
     except BaseException:
         with anyio.CancelScope(shield=True):

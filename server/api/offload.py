@@ -1,7 +1,8 @@
 """CPU-heavy work on request input (template rendering, tokenization) off the event loop.
 
-One large prompt takes seconds to render and tokenize; on the event loop every other client, /health included,
-would wait that long. Large inputs go to a few worker threads instead (bounded, so a burst of them cannot take
+One large prompt takes seconds to render and tokenize, one large response_format schema as long to compile into a
+grammar (every constrained submission runs off the loop: llguidance releases the GIL while it compiles); on the
+event loop every other client, /health included, would wait that long. Large inputs go to a few worker threads instead (bounded, so a burst of them cannot take
 every core from the engine); small ones stay inline, where a thread hop would cost more than the work.
 """
 
@@ -26,8 +27,10 @@ class Offloader:
         self.off_loop_chars = off_loop_chars
         self._limiter: anyio.CapacityLimiter | None = None  # made on first use, inside the event loop
 
-    async def run(self, num_chars: int, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        if num_chars < self.off_loop_chars:
+    async def run(self, num_chars: int, function: Callable[..., T], *args: Any, off_loop: bool = False,
+                  **kwargs: Any) -> T:
+        """`function(*args, **kwargs)`, off the loop when `num_chars` is large or `off_loop` says so."""
+        if num_chars < self.off_loop_chars and not off_loop:
             return function(*args, **kwargs)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.num_workers)

@@ -8,6 +8,8 @@ streamed events and the final list come from one splitter and always agree.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,12 +27,19 @@ class Block:
     name: str = ""
 
     def arguments(self) -> dict[str, Any]:
-        """A tool call's arguments as an object; {} when generation stopped before they were valid JSON."""
+        """A tool call's arguments as an object; {} when generation stopped before they were valid JSON. A number
+        past float's range (`61431e8446496323440`, valid JSON) becomes the largest finite float of its sign: JSON
+        has no infinity, and the response must render."""
         try:
-            value = json.loads(self.text) if self.text.strip() else {}
+            value = json.loads(self.text, parse_float=_finite_float) if self.text.strip() else {}
         except ValueError:
             return {}
         return value if isinstance(value, dict) else {}
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else math.copysign(sys.float_info.max, value)
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 
-from server.api.errors import APIError
+from server.api.errors import APIError, validation_error, with_param_names
 from server.api.messages import template_tool_call, text_content
-from server.api.schemas import FunctionCall, JsonSchemaFormat, ResponseFormat, ToolCall, check_parameters
+from server.api.schemas import (
+    FunctionCall,
+    JsonSchemaFormat,
+    ResponseFormat,
+    ToolCall,
+    check_parameters,
+    check_tool_name,
+)
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
 
@@ -154,8 +161,9 @@ class ResponsesRequest(_Lenient):
                 continue
             try:
                 tools.append(FunctionTool.model_validate(tool))
-            except ValueError as exc:
-                raise APIError(400, f"tools[{i}] is not a valid function tool: {exc}", param=f"tools[{i}]") from None
+            except ValidationError as exc:
+                raise with_param_names(validation_error(exc, prefix=f"tools[{i}]."), {}) from None
+            check_tool_name(tools[-1].name, f"tools[{i}].name")
             check_parameters(tools[-1].parameters, f"tools[{i}].parameters")
         return tools
 

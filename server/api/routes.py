@@ -112,11 +112,19 @@ async def start_generation(
     except Exception as exc:
         # the prompt is `messages` or `prompt`, whichever the request sent
         names = {"messages": prompt_param, "prompt": prompt_param}
-        raise with_param_names(from_engine_error(exc, about_input=True), names) from None
+        raise with_param_names(_named_prompt(from_engine_error(exc, about_input=True), prompt_param), names) from None
     generation = Generation(choices, state.metrics, started_at)
     state.active.add(generation)
     logger.info("%s: %d choice(s), %d prompt tokens", request_id, len(choices), choices[0].prompt_tokens)
     return generation
+
+
+def _named_prompt(err: APIError, prompt_param: str) -> APIError:
+    """A context-length error's text names the prompt as the request did (Responses: `input`)."""
+    if err.code == "context_length_exceeded" and prompt_param != "messages":
+        err.message = err.message.replace("your messages", f"your {prompt_param}").replace(
+            "the length of the messages", f"the length of the {prompt_param}")
+    return err
 
 
 async def respond(
@@ -156,7 +164,8 @@ async def chat_completions(request: Request) -> Response:
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     max_tokens_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     validate_params(params, {"logprobs": "top_logprobs", "max_tokens": max_tokens_name})
-    template_kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    template_kwargs = {"enable_thinking": False} if req.reasoning_effort == "none" else {}
+    template_kwargs |= {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     try:
         prompt = await state.offloader.run(
             input_chars(messages) + input_chars(tools), engine.render_chat, messages, tools=tools,

@@ -1,12 +1,14 @@
 """Pydantic models of the OpenAI requests this server accepts, and their mapping to SamplingParams.
 
-Unknown fields are ignored (editors send `prompt_cache_key`, `reasoning_effort`, ...).
+Unknown fields are ignored (editors send `prompt_cache_key`, ...). `reasoning_effort: "none"` turns the template's
+thinking switch off (enable_thinking=False), as Responses' reasoning.effort does; chat_template_kwargs win.
 Extras beyond OpenAI's fields follow vLLM's names: top_k, min_p, repetition_penalty, ignore_eos,
 stop_token_ids, include_stop_str_in_output, chat_template_kwargs.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -141,6 +143,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    reasoning_effort: str | None = None  # "none" turns the template's thinking off; other efforts keep its default
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -161,6 +164,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise APIError(400, "tool_choice requires a non-empty tools list.", param="tool_choice")
             return None
         for i, tool in enumerate(self.tools):
+            check_tool_name(tool.function.name, f"tools[{i}].function.name")
             check_parameters(tool.function.parameters, f"tools[{i}].function.parameters")
         if choice == "none":
             return None
@@ -208,6 +212,17 @@ class CompletionRequest(_SamplingRequest):
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs).", param="echo")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
+
+
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # as OpenAI and Anthropic accept them
+
+
+def check_tool_name(name: str, where: str, message_prefix: str = "") -> None:
+    """A tool name as OpenAI and Anthropic accept it: one that could spell markup (`</tool_call>`) or break a
+    call's syntax is refused. `message_prefix`: how the message names the field (Anthropic's dotted paths)."""
+    if not TOOL_NAME.fullmatch(name):
+        raise APIError(400, f"{message_prefix}{where} must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name[:80]!r}.",
+                       param=where, code="invalid_tool_name")
 
 
 def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:

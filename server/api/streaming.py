@@ -4,7 +4,8 @@ Stream rules, as OpenAI streams and its clients expect: one id and `created` on 
 `{"role":"assistant","content":""}`; the last chunk of each choice has an empty delta and the finish_reason;
 with include_usage every chunk has `"usage":null` and one final chunk has `"choices":[]` and the usage;
 `: keepalive` comments while nothing arrives; `data: [DONE]`. An error or an abort mid-stream is raised here and
-becomes one `data: {"error":...}` event, and the stream closes (SSEResponse).
+becomes one `data: {"error":...}` event, and the stream closes (SSEResponse); so does a structured output whose
+grammar could not go on (finish_reason "error" from the engine), a 400 when nothing was sent yet.
 """
 
 from __future__ import annotations
@@ -141,10 +142,16 @@ async def _event_stream(
 
 
 async def deltas(gen: Generation, keepalive_s: float | None = None) -> AsyncIterator[tuple[Choice, StreamDelta] | None]:
-    """Generation.events(), with an abort raised as the error the client should see."""
+    """Generation.events(), with an abort raised as the error the client should see, and so an "error" finish
+    (a structured output's grammar that could not go on: the text so far is no valid answer)."""
     async for item in gen.events(keepalive_s):
         if item is not KEEPALIVE and item[1].finish_reason == "abort":
             raise abort_error(gen)
+        if item is not KEEPALIVE and item[1].finish_reason == "error":
+            error = item[1].error
+            if error is None:
+                raise APIError(500, "The engine could not finish this request.", code="generation_error")
+            raise APIError(400, error.message, param=error.param, code=error.code)
         yield item
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from server.api.errors import APIError
 from server.api.reasoning import THINK_END, THINK_START, prompt_opens_reasoning
+from server.api.schema_checks import check_schema, closed_objects
 from server.api.schemas import NamedToolChoice
 from server.engine.types import StructuredOutput, json_rule
 
@@ -70,7 +71,9 @@ def response_format_output(response_format: Any, *, reasoning: str = "none",
         spec = response_format.json_schema
         if spec is None:
             raise APIError(400, f"{param} of type 'json_schema' needs a schema.", param=param)
-        answer = json_rule(spec.schema_ if spec.schema_ is not None else {})
+        schema = spec.schema_ if spec.schema_ is not None else {}
+        check_schema(schema, param)
+        answer = json_rule(schema)
     else:
         raise APIError(400, f"{param} type {kind!r} is not supported; use 'text', 'json_object' or "
                        "'json_schema'.", param=param)
@@ -88,8 +91,11 @@ def tool_call_format(prompt: str) -> str:
 
 
 def tool_choice_output(tools: list[dict[str, Any]], fmt: str, *, parallel: bool, reasoning: str) -> StructuredOutput:
-    """One call (parallel=False) or more of `tools` (those the template saw), in format `fmt`."""
-    functions = [tool["function"] for tool in tools]
+    """One call (parallel=False) or more of `tools` (those the template saw), in format `fmt`; each tool's
+    objects closed to their declared properties (schema_checks.closed_objects)."""
+    functions = [{**tool["function"], "parameters": closed_objects(_parameters(tool["function"]))} for tool in tools]
+    for function in functions:
+        check_schema(function["parameters"], "tool_choice")
     if fmt == "pythonic":
         calls = [_pythonic_call(f, i) for i, f in enumerate(functions)]
         rules = "".join(rule for _, rule in calls)

@@ -37,7 +37,14 @@ from server.engine.scheduler import SchedulerOutput
 from server.engine.steps import EagerSteps, Steps
 from server.engine.threads import apply_cpu_threads
 from server.engine.tokenizer import Tokenizer
-from server.engine.types import EngineStats, RequestOutput, SamplingParams, StepFailedError, StreamDelta
+from server.engine.types import (
+    EngineStats,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepFailedError,
+    StreamDelta,
+)
 from server.engine.weights import persistent_tensors, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -218,10 +225,13 @@ class Engine:
         return deltas
 
     def _finish_grammar(self, request: Request) -> None:
-        """The output is complete in its grammar: the request ends ("stop"), the next token in flight is dropped."""
+        """The output is complete in its grammar: the request ends ("stop"), the next token in flight is dropped.
+        A grammar that refused the token instead ends it with "error" and the refusal (the text is partial)."""
         while request.token_ids[-1] == PLACEHOLDER:
             request.token_ids.pop()
-        self.scheduler.finish(request, "stop")
+        request.error = request.grammar.refusal
+        reason = FinishReason.STOP if request.error is None else FinishReason.ERROR
+        self.scheduler.finish(request, reason.value)
 
     def stats(self) -> EngineStats:
         return EngineStats(

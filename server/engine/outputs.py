@@ -81,6 +81,7 @@ def stream_delta(request: Request, text: str, token_ids: list[int], logprobs: li
         cached_tokens=request.num_cached_tokens,
         logprobs=logprobs,
         stop_string=stop_string,
+        error=request.error,
     )
 
 

@@ -37,6 +37,7 @@ class Request:
     num_pending_tokens: int = 0  # sampled tokens whose step has not resolved yet (PLACEHOLDER in token_ids)
     state_slot: int | None = None  # hybrid models: this sequence's live slot in the state pool
     grammar: Any = None  # structured outputs: the request's grammar.GrammarMatcher
+    error: Any = None  # finish_reason "error": the InvalidRequestError that says why (a grammar that could not go on)
 
     @property
     def num_tokens(self) -> int:

@@ -67,6 +67,7 @@ class FinishReason(str, Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the structured output's grammar could not go on (StreamDelta.error says why)
 
 
 # JSON as models write it on one line: no whitespace choices to spend tokens on
@@ -178,7 +179,7 @@ class RequestOutput:
     request_id: str
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error" (a grammar that could not go on)
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -199,6 +200,7 @@ class StreamDelta:
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     stop_string: str | None = None  # the stop string that ended the request (finish_reason "stop"), if one did
+    error: InvalidRequestError | None = None  # finish_reason "error": why (the output's grammar could not go on)
 
 
 @dataclass

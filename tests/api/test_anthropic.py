@@ -172,7 +172,7 @@ def test_tool_choice_and_thinking_switch(srv: RunningServer) -> None:
     client.messages.create(model="m", max_tokens=5, messages=USER, thinking={"type": "disabled"})
     assert srv.engine.rendered[-1]["kwargs"] == {"enable_thinking": False}
     srv.engine.script = Script(pieces=["Hmm.", "</think>", "Yes."])  # the template opened <think> in the prompt
-    out = client.messages.create(model="m", max_tokens=50, messages=USER,
+    out = client.messages.create(model="m", max_tokens=2048, messages=USER,
                                  thinking={"type": "enabled", "budget_tokens": 1024})
     assert srv.engine.rendered[-1]["kwargs"] == {"enable_thinking": True}
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in out.content] == \

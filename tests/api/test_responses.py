@@ -200,7 +200,7 @@ def _error(r: httpx.Response, status: int) -> dict:
     ({"input": "q", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "q", "temperature": -1}, "temperature"),
     ({"input": "q", "top_p": 2}, "top_p"),
-    ({"input": "q", "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"input": "q", "tools": [{"type": "function"}]}, "tools[0].name"),
     ({"input": "q", "tools": [{"type": "function", "name": "f", "parameters": {"properties": 1}}]},
      "tools[0].parameters"),
     ({"input": "q", "tool_choice": "required"}, "tool_choice"),

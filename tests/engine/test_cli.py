@@ -134,3 +134,17 @@ def test_probe_reasons_are_whole_sentences_and_wrap_without_cuts():
     wrapped = cli.readable(line).splitlines()
     assert len(wrapped) > 1 and all(len(row) <= 110 for row in wrapped)
     assert " ".join(wrapped).split() == line.split()  # every word kept, none cut
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_bad_port_is_a_one_line_argparse_error(port, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.build_parser().parse_args(["serve", "--port", port])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--port" in error and "Traceback" not in error
+
+
+def test_api_key_help_names_both_headers():
+    help_text = _subparsers(cli.build_parser())["serve"].format_help()
+    assert "x-api-key" in help_text

@@ -122,3 +122,50 @@ def test_a_bad_schema_is_refused_before_generating(engine, schema, reason) -> No
     assert info.value.param == "rf"
     assert reason in info.value.message
     assert not engine.has_unfinished
+
+
+def _optional_object(prefix: str, num: int = 390) -> dict:
+    return {"type": "object", "properties": {f"{prefix}{i}": {"type": "integer"} for i in range(num)}}
+
+
+# under the API's per-object limits, yet llguidance's 2,000 items per parser row are hit at the first key
+ROW_LIMIT_SCHEMA = {"anyOf": [_optional_object("a"), _optional_object("b")]}
+
+
+def test_a_grammar_that_refuses_mid_answer_ends_with_error_not_stop(engine) -> None:
+    """llguidance's row limit hit after `{"`: the request ends "error" with a reason a client may read (no
+    llguidance internals), never "stop" with a partial answer."""
+    open_key = engine.tokenizer.encode('{"', add_special_tokens=False)
+    assert len(open_key) == 1
+    out = engine.generate("hello", _constrained(ROW_LIMIT_SCHEMA, logit_bias={open_key[0]: 100.0}, seed=1))
+    assert out.finish_reason == "error"
+    grammar = engine.inputs.grammars.compile(StructuredOutput.from_json_schema(ROW_LIMIT_SCHEMA))
+    assert grammar.advance(open_key[0]) and grammar.refusal is not None
+    assert grammar.refusal.param == "response_format"
+    assert "max is" not in grammar.refusal.message and "<state>" not in grammar.refusal.message
+
+
+def test_each_grammar_compiles_once(engine) -> None:
+    grammars = engine.inputs.grammars
+    spec = StructuredOutput.from_json_schema({"type": "object", "properties": {"once": {"type": "integer"}}})
+    before = grammars.num_compiles
+    first, second = grammars.compile(spec), grammars.compile(spec)
+    assert grammars.num_compiles == before + 1 and first._matcher is not second._matcher
+
+
+@pytest.mark.parametrize("text", ["<|im_end|>", "</tool_call>", "<think>"])
+def test_a_const_string_that_spells_a_special_token_completes(engine, text) -> None:
+    schema = {"type": "object", "properties": {"v": {"const": text}}, "required": ["v"], "additionalProperties": False}
+    out = engine.generate("hello", _constrained(schema, seed=3))
+    assert out.finish_reason == "stop" and json.loads(out.text) == {"v": text}
+
+
+def test_grammars_past_the_size_limit_are_refused_without_llguidance_internals(engine) -> None:
+    from server.engine.grammar import MAX_GRAMMAR_CHARS
+
+    names = {f"property_with_a_long_name_{i:05d}": {"type": "integer"} for i in range(MAX_GRAMMAR_CHARS // 40)}
+    schema = {"type": "object", "properties": names, "required": list(names)}
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.inputs.grammars.compile(StructuredOutput.from_json_schema(schema))
+    assert refused.value.param == "response_format" and "limit" in refused.value.message
+    assert "panic" not in refused.value.message
