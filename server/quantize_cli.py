@@ -26,6 +26,7 @@ HF_TO_MLX: dict[str, list[tuple[str, str]]] = {
 }
 _PER_EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 DTYPES = ("bfloat16", "float16", "float32")
+MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}  # mlx-lm has no *_text modules
 
 
 def add_quantize_parser(sub, common) -> None:
@@ -48,16 +49,24 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
 
 def mlx_config(config: dict[str, Any]) -> dict[str, Any]:
-    """config.json with the keys mlx-lm 0.32 reads spelled out: rope_theta / rope_scaling from transformers 5's
-    rope_parameters, num_experts from num_local_experts."""
+    """config.json with the keys mlx-lm 0.32 reads spelled out: rope_theta / rope_scaling / partial_rotary_factor
+    from transformers 5's rope_parameters, num_experts from num_local_experts, LFM2's block_dim; the text-only
+    Qwen3.5 types as mlx-lm names them (qwen3_5_text -> qwen3_5, which reads a flat config as its text config)."""
     config = dict(config)
     rope = config.get("rope_parameters") or {}
     if "rope_theta" in rope:
         config.setdefault("rope_theta", rope["rope_theta"])
+    if "partial_rotary_factor" in rope:
+        config.setdefault("partial_rotary_factor", rope["partial_rotary_factor"])
     if rope.get("rope_type") not in (None, "default"):
         config.setdefault("rope_scaling", rope)
     if "num_local_experts" in config:
         config.setdefault("num_experts", config["num_local_experts"])
+    if config.get("model_type") == "lfm2":
+        config.setdefault("block_dim", config["hidden_size"])
+    config["model_type"] = MLX_MODEL_TYPES.get(config.get("model_type"), config.get("model_type"))
+    if isinstance(config.get("text_config"), dict):  # Qwen3.5's multimodal config: the text model's keys
+        config["text_config"] = mlx_config(config["text_config"])
     return config
 
 

@@ -49,10 +49,25 @@ ROUTER_FORMAT = AffineFormat(64, 8)  # mlx-lm's quant_predicate of the MoE model
 ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate", "feed_forward.gate")
 LEAVES = ("weight", "scales", "biases")
 
-# mlx-lm name -> Hugging Face name, per model_type: (pattern, replacement) applied in order.
+# mlx-lm name -> Hugging Face name, per model_type: (pattern, replacement) applied in order (mlx-lm's models/*.py
+# `sanitize` show how their stored names differ: stacked experts as `switch_mlp`, Qwen3.5's text model under
+# `language_model.`, LFM2-MoE's w1 / w3 / w2 as gate / up / down_proj).
+_SWITCH_MLP = (r"\.mlp\.switch_mlp\.", ".mlp.experts.")
+_LANGUAGE_MODEL = (r"^language_model\.", "")
+_LFM2_MOE = [(r"\.feed_forward\.switch_mlp\.", ".feed_forward.experts."),
+             *((rf"\.feed_forward\.(experts\.|){mlx}\.", rf".feed_forward.\1{hf}.")
+               for mlx, hf in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))]
 MLX_RENAMES: dict[str, list[tuple[str, str]]] = {
-    "qwen3_moe": [(r"\.mlp\.switch_mlp\.", ".mlp.experts.")],
+    "qwen3_moe": [_SWITCH_MLP],
+    "qwen3_next": [_SWITCH_MLP],
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), [_LANGUAGE_MODEL, _SWITCH_MLP]),
+    "lfm2_moe": _LFM2_MOE,
 }
+# Norms mlx-lm stores as 1 + w where Hugging Face stores w (zero-centred RMSNorm: Qwen3.5 / Qwen3-Next).
+ZERO_CENTRED_NORMS = re.compile(r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm|\.q_norm|\.k_norm)\.weight$")
+_ZERO_CENTRED = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+# Depthwise conv weights mlx-lm stores as [C, K, 1] where Hugging Face stores [C, 1, K].
+_CONV_WEIGHT = re.compile(r"(\.conv\.conv|\.linear_attn\.conv1d)\.weight$")
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)$")
 
 
@@ -83,6 +98,17 @@ def mlx_to_hf(model_type: str, name: str) -> str:
     return name
 
 
+def mlx_tensor_to_hf(model_type: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An MLX checkpoint's float tensor as Hugging Face stores it (mlx-lm's `sanitize` undone): depthwise conv
+    weights [C, K, 1] -> [C, 1, K]; zero-centred norms 1 + w -> w (exact: 1 + w lies in [0.5, 2], where the
+    difference is representable, and the forward's 1 + w gives back the stored value bit for bit)."""
+    if _CONV_WEIGHT.search(hf_name) and tensor.ndim == 3 and tensor.shape[-1] == 1:
+        return tensor.transpose(1, 2)
+    if model_type in _ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(hf_name):
+        return tensor - 1.0
+    return tensor
+
+
 def read_headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype) of every tensor in `files`, from the headers only."""
     found = {}
@@ -106,12 +132,18 @@ def checkpoint_spec(config: dict[str, Any], table: dict[str, Any], files: list[P
 
     def bind(model: nn.Module) -> QuantSpec:
         quantized = {}  # our source name -> (mlx path, packed width, groups)
+        split = getattr(model, "split_tensor", None)
         for name, (shape, _) in headers.items():
             if name.endswith(".scales") and name[: -len("scales")] + "weight" in headers:
                 path = name[: -len(".scales")]
-                ours = model.sanitize(mlx_to_hf(model_type, path))
-                if ours is not None:
-                    quantized[ours] = (path, headers[path + ".weight"][0][-1], shape[-1])
+                ours = model.sanitize(mlx_to_hf(model_type, path + ".weight"))
+                if ours is None:
+                    continue
+                weight_shape = headers[path + ".weight"][0]
+                # a tensor the model splits while loading (Qwen3-Next's grouped GDN projections): its pieces
+                pieces = split(ours, torch.empty(weight_shape, device="meta")) if split else [(ours, None)]
+                for piece, _ in pieces:
+                    quantized[piece.removesuffix(".weight")] = (path, weight_shape[-1], shape[-1])
 
         def spec(source: str, in_features: int) -> AffineFormat | None:
             if source not in quantized:
@@ -151,15 +183,16 @@ def recipe_spec(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> Callable[[nn
 
 
 def iter_mlx_checkpoint(files: list[Path], model: nn.Module, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of every tensor of an MLX checkpoint, mlx-lm's names mapped to Hugging Face's and then
-    through the model's `sanitize`."""
+    """(our name, tensor) of every tensor of an MLX checkpoint, mlx-lm's names and layouts mapped to Hugging Face's
+    and then through the model's `sanitize`."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    mapped = model.sanitize(mlx_to_hf(model_type, name))
+                    hf_name = mlx_to_hf(model_type, name)
+                    mapped = model.sanitize(hf_name)
                     if mapped is not None:
-                        yield mapped, handle.get_tensor(name)
+                        yield mapped, mlx_tensor_to_hf(model_type, hf_name, handle.get_tensor(name))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"weight file {file} is corrupt or unreadable: {exc}") from None
 
@@ -219,9 +252,15 @@ class AffineLoader:
         if target is None:
             return False
         module_name, module, prefix, index, leaf = target
-        if leaf == "weight" and tensor.is_floating_point():  # a float checkpoint: quantize as it streams in
+        fmt = module.gate_up_fmt if prefix == "gate_up_" else module.down_fmt if prefix == "down_" else module.fmt
+        if fmt is None:  # an experts projection kept in the model dtype
+            if leaf != "weight" or not tensor.is_floating_point():
+                raise ModelLoadError(f"{name}: {module_name} holds this projection unquantized, the checkpoint "
+                                     "has it quantized")
+            self._fill(name, module_name, module, prefix + "proj", index, tensor)
+        elif leaf == "weight" and tensor.is_floating_point():  # a float checkpoint: quantize as it streams in
             dest = getattr(module, prefix + "scales")
-            pieces = affine.quantize_affine(tensor.to(dest.device, dest.dtype), module.group_size, module.bits)
+            pieces = affine.quantize_affine(tensor.to(dest.device, dest.dtype), fmt.group_size, fmt.bits)
             for piece_leaf, piece in zip(LEAVES, pieces, strict=True):
                 self._fill(name, module_name, module, prefix + piece_leaf, index, piece)
         else:
@@ -233,7 +272,7 @@ class AffineLoader:
         dest = getattr(module, buffer_name)[index] if index else getattr(module, buffer_name)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"shape mismatch for {name}: checkpoint has {list(tensor.shape)}, the "
-                                 f"{module.bits}-bit model expects {list(dest.shape)}")
+                                 f"quantized model expects {list(dest.shape)} ({buffer_name} of {module_name})")
         if (dest.dtype == torch.uint32) != (tensor.dtype == torch.uint32):
             raise ModelLoadError(f"{name} is {tensor.dtype}, expected {dest.dtype}")
         dest.copy_(tensor)

@@ -392,17 +392,24 @@ def load_model(
             tensors = iter_checkpoint(safetensors_files(model_dir), model, fp8_block)
         if checkpoint_fp8:
             tensors = dequantize_blockwise(tensors, quant_config)
+        tensors = split_tensors(model, tensors)
         if affine_loader is not None:
             tensors = affine_loader.filter(tensors)  # packed tensors, and float ones quantized as they stream in
         for name, tensor in tensors:
-            # A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections).
-            split = getattr(model, "split_tensor", None)
-            for piece_name, piece in split(name, tensor) if split else [(name, tensor)]:
-                loader.load(piece_name, piece)
+            loader.load(name, tensor)
     loader.check_complete()
     if affine_loader is not None:
         affine_loader.check_complete()
     return model, config
+
+
+def split_tensors(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections, whose rows
+    split alike whether they hold float weights or packed ones with their scales and biases)."""
+    split = getattr(model, "split_tensor", None)
+    for name, tensor in tensors:
+        yield from split(name, tensor) if split else [(name, tensor)]
 
 
 def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -241,7 +241,7 @@ class SharedExpertMoE(nn.Module):
     def _shared_gate_logit(self, x: torch.Tensor) -> torch.Tensor:
         """shared_expert_gate(x) [T, 1]. Compiled, a reduction over the hidden size that inductor generates with
         its neighbours, where a one-row linear is a BLAS call of its own (a dot and its reduction on CUDA)."""
-        if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() or not isinstance(self.shared_expert_gate, nn.Linear):  # or quantized
             return self.shared_expert_gate(x)
         return (x.float() * self.shared_expert_gate.weight.float()).sum(-1, keepdim=True).to(x.dtype)
 
