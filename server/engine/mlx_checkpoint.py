@@ -65,9 +65,9 @@ MLX_RENAMES: dict[str, list[tuple[str, str]]] = {
 }
 # Norms mlx-lm stores as 1 + w where Hugging Face stores w (zero-centred RMSNorm: Qwen3.5 / Qwen3-Next).
 ZERO_CENTRED_NORMS = re.compile(r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm|\.q_norm|\.k_norm)\.weight$")
-_ZERO_CENTRED = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+ZERO_CENTRED = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 # Depthwise conv weights mlx-lm stores as [C, K, 1] where Hugging Face stores [C, 1, K].
-_CONV_WEIGHT = re.compile(r"(\.conv\.conv|\.linear_attn\.conv1d)\.weight$")
+CONV_WEIGHT = re.compile(r"(\.conv\.conv|\.linear_attn\.conv1d)\.weight$")
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)$")
 
 
@@ -102,10 +102,20 @@ def mlx_tensor_to_hf(model_type: str, hf_name: str, tensor: torch.Tensor) -> tor
     """An MLX checkpoint's float tensor as Hugging Face stores it (mlx-lm's `sanitize` undone): depthwise conv
     weights [C, K, 1] -> [C, 1, K]; zero-centred norms 1 + w -> w (exact: 1 + w lies in [0.5, 2], where the
     difference is representable, and the forward's 1 + w gives back the stored value bit for bit)."""
-    if _CONV_WEIGHT.search(hf_name) and tensor.ndim == 3 and tensor.shape[-1] == 1:
+    if CONV_WEIGHT.search(hf_name) and tensor.ndim == 3 and tensor.shape[-1] == 1:
         return tensor.transpose(1, 2)
-    if model_type in _ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(hf_name):
+    if model_type in ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(hf_name):
         return tensor - 1.0
+    return tensor
+
+
+def hf_tensor_to_mlx(model_type: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of mlx_tensor_to_hf (`name`: ours, after the model's sanitize): what mlx-lm's `sanitize`
+    makes of a Hugging Face tensor, for `mps-serve quantize`."""
+    if CONV_WEIGHT.search(name) and tensor.ndim == 3 and tensor.shape[1] == 1:
+        return tensor.transpose(1, 2).contiguous()
+    if model_type in ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(name):
+        return tensor + 1.0
     return tensor
 
 
@@ -252,7 +262,7 @@ class AffineLoader:
         if target is None:
             return False
         module_name, module, prefix, index, leaf = target
-        fmt = module.gate_up_fmt if prefix == "gate_up_" else module.down_fmt if prefix == "down_" else module.fmt
+        fmt = part_format(module, prefix)
         if fmt is None:  # an experts projection kept in the model dtype
             if leaf != "weight" or not tensor.is_floating_point():
                 raise ModelLoadError(f"{name}: {module_name} holds this projection unquantized, the checkpoint "
@@ -290,3 +300,21 @@ class AffineLoader:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint is missing quantized tensors (or rows of them): {shown}")
+
+
+def quantized_target(loader: AffineLoader, model: nn.Module, name: str, tensor: torch.Tensor
+                     ) -> tuple[nn.Module, AffineFormat | None] | None:
+    """(the affine module, the format of its part) that checkpoint tensor `name` (ours, after sanitize) fills, or
+    None where no affine module takes it; a tensor the model splits while loading goes where its pieces go."""
+    split = getattr(model, "split_tensor", None)
+    pieces = split(name, torch.empty(tensor.shape, device="meta")) if split else [(name, None)]
+    target = loader.resolve(pieces[0][0])
+    if target is None:
+        return None
+    module, prefix = target[1], target[2]
+    return module, part_format(module, prefix)
+
+
+def part_format(module: nn.Module, prefix: str) -> AffineFormat | None:
+    """The format of an affine module's part ("gate_up_" / "down_" of experts, "" for the others)."""
+    return module.gate_up_fmt if prefix == "gate_up_" else module.down_fmt if prefix == "down_" else module.fmt

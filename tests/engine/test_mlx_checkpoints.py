@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from server.engine.engine import Engine
-from server.engine.mlx_checkpoint import ZERO_CENTRED_NORMS, AffineLoader, mlx_to_hf
+from server.engine.mlx_checkpoint import ZERO_CENTRED_NORMS, AffineLoader, mlx_to_hf, part_format
 from server.engine.types import ModelLoadError
 from server.kernels import affine
 from server.models.affine_quant import AffineEmbedding, AffineFusedExperts, AffineLinear, AffineTiedHead
@@ -118,7 +118,7 @@ def assert_weights_equal_mx_dequantize(model, path, model_type=None):
         split = getattr(model, "split_tensor", None)  # Qwen3-Next's grouped projections: compare row pieces
         for piece_name, expected in split(ours_name, mx_to_torch(theirs)) if split else [(ours_name, mx_to_torch(theirs))]:
             _, module, prefix, index, _ = loader.resolve(piece_name)
-            fmt = module.gate_up_fmt if prefix == "gate_up_" else module.down_fmt if prefix == "down_" else module.fmt
+            fmt = part_format(module, prefix)
             ours = affine.dequantize_affine(*module.packed(prefix), fmt.group_size, fmt.bits)
             ours = ours[index] if index else ours
             assert ours.dtype == expected.dtype and torch.equal(ours, expected), piece_name
@@ -249,7 +249,9 @@ def test_reduction_form_equals_the_reference_form(converted):
         set_form(engine.model, "fast")
 
 
-@pytest.mark.parametrize("arch,bits,group_size", [("llama", 4, 64), ("qwen3", 8, 32), ("qwen3_moe", 4, 64)])
+@pytest.mark.parametrize("arch,bits,group_size", [("llama", 4, 64), ("qwen3", 8, 32), ("qwen3_moe", 4, 64),
+                                                   ("lfm2", 4, 64), ("lfm2_moe", 8, 32), ("qwen3_5_text", 4, 64),
+                                                   ("qwen3_5_moe_text", 4, 64), ("qwen3_next", 4, 64)])
 def test_quantize_command_writes_what_mlx_lm_convert_writes(arch, bits, group_size, source, converted, tmp_path):
     """`mps-serve quantize` writes the tensors mlx_lm.convert -q writes (bit for bit, same names), and mlx-lm loads
     the result with the logits we compute from it."""
