@@ -225,6 +225,7 @@ class AffineLoader:
                 parent = name.rpartition(".")[0]
                 for i, src in enumerate(module.source_names):
                     self.targets[f"{parent}.{src}" if parent else src] = (name, module, "", (module.shard_rows(i),))
+                self.targets[name] = (name, module, "", ())  # all rows at once (bench/random_model's tensors)
             else:
                 self.targets[name] = (name, module, "", ())
             for buffer_name, buffer in module.named_buffers(recurse=False):
@@ -238,6 +239,7 @@ class AffineLoader:
         for proj, (prefix, part) in rows.items():
             self.targets[f"{name}.{proj}"] = (name, module, prefix, (routed,) if part is None else (routed, part))
         self.targets[f"{name}.gate_up_proj"] = (name, module, "gate_up_", (routed,))  # fused float (Qwen3.5)
+        self.targets[f"{name}.down_proj"] = (name, module, "down_", (routed,))
         if module.shared_slot is not None:
             parent = name.rpartition(".")[0]
             for proj, (prefix, part) in rows.items():
@@ -262,6 +264,8 @@ class AffineLoader:
         if target is None:
             return False
         module_name, module, prefix, index, leaf = target
+        if prefix and len(index) == 1 and isinstance(index[0], slice) and tensor.shape[0] == module.num_experts:
+            index = ()  # a fused tensor of every slot, the shared expert's too (bench/random_model's)
         fmt = part_format(module, prefix)
         if fmt is None:  # an experts projection kept in the model dtype
             if leaf != "weight" or not tensor.is_floating_point():

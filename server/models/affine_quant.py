@@ -121,6 +121,10 @@ class AffineTiedHead(nn.Module):
     def weight(self, value) -> None:
         pass
 
+    def read_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What computing the logits reads: the whole packed table, its scales and biases."""
+        return self._embedding[0].packed()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         emb = self._embedding[0]
         return affine.affine_linear(x, *emb.packed(), emb.group_size, emb.bits, None, self.form)
@@ -229,6 +233,21 @@ def _common_format(name: str, sources: list[tuple[str, int]], spec: QuantSpec) -
         raise ValueError(f"the projections fused into {name} are quantized differently ({shown}); mixed formats "
                          "within one fused projection are not supported (mlx-lm's recipes do not write them)")
     return formats.pop()
+
+
+def packed_weights(model: nn.Module) -> dict[int, int]:
+    """id(tensor) -> the weights it stands for, for every tensor of the affine modules: a packed weight holds
+    32 / bits per word, scales and biases none (mlx-lm's get_total_parameters counts alike)."""
+    counts = {}
+    for module in affine_modules(model).values():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.dtype == torch.uint32:
+                fmt = (module.gate_up_fmt if name.startswith("gate_up_") else module.down_fmt
+                       if name.startswith("down_") else module.fmt)
+                counts[id(buffer)] = buffer.numel() * 32 // fmt.bits
+            elif name.endswith(("scales", "biases")):
+                counts[id(buffer)] = 0
+    return counts
 
 
 def affine_modules(model: nn.Module) -> dict[str, nn.Module]:

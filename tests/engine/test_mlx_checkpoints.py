@@ -212,6 +212,29 @@ def test_hybrid_quantize_at_load_equals_mlx_convert(arch, source, converted):
     assert torch.equal(ours.score(ids), loaded.score(ids))
 
 
+@pytest.mark.parametrize("arch,bits,group_size", [("llama", 4, 64), ("qwen3", 4, 32), ("qwen3_moe", 8, 32),
+                                                   ("lfm2_moe", 4, 64), ("qwen3_next", 4, 64)])
+def test_bits_per_weight_and_bytes_read_per_token(arch, bits, group_size, converted):
+    """Bits per weight as mlx-lm reports them for the same files (compute_bits_per_weight; measured within 1e-4);
+    the bytes a token reads (bench/measure.weight_bytes): every packed tensor with its scales and biases, an
+    untied quantized embedding not at all (a lookup reads one row), a tied one as the LM head reads it."""
+    from mlx_lm.utils import compute_bits_per_weight
+
+    from server.bench.measure import weight_bytes
+
+    path = converted(arch, bits, group_size)
+    engine = Engine.from_pretrained(str(path), **ENGINE_KW)
+    theirs = compute_bits_per_weight(mlx_lm.load(str(path))[0])
+    assert engine.bits_per_weight == pytest.approx(theirs, rel=1e-3)
+    assert engine.stats().bits_per_weight == engine.bits_per_weight
+    read = weight_bytes(engine.model)
+    embed = sum(t.numel() * t.element_size() for t in engine.model.model.embed_tokens.packed())
+    tied = isinstance(engine.model.lm_head, AffineTiedHead)
+    assert read.dense + read.experts == engine.weight_bytes - (0 if tied else embed)
+    if read.num_experts:
+        assert read.per_token < read.dense + read.experts
+
+
 def test_published_bf16_form_dequantizes_bit_for_bit(converted):
     """mlx-community checkpoints hold bf16 scales and biases: loaded in bf16, our weights are MLX's exactly; the
     logits follow mlx-lm's bf16 forward within bf16's rounding."""
