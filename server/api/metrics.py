@@ -37,6 +37,8 @@ class _EngineStatsCollector(Collector):
             "num_requests_running": ("Requests being generated", stats.num_running),
             "kv_blocks_used": ("KV-cache blocks in use", stats.kv_blocks_used),
             "kv_blocks_free": ("KV-cache blocks free", stats.kv_blocks_free),
+            "bits_per_weight": ("Resident bits per model weight (16 bf16, ~8 FP8, ~8.5 int8, ~4.5 int4)",
+                                stats.bits_per_weight),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mps_serve_{name}", doc, value)

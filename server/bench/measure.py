@@ -1,9 +1,11 @@
 """What the bench measures, device-agnostic: copy bandwidth, weight bytes per token and per step, timings.
 
 Formulas (also printed under the table):
-- weight bytes per token (batch 1): every weight tensor except the embedding table, plus the LM head (the tied
-  table when tied), plus top_k of the num_experts experts in each MoE layer; counted from the tensors' real
-  element sizes, so FP8 weights count 1 byte plus their scales. The KV cache is not counted.
+- weight bytes per token (batch 1): every weight tensor except the embedding table (a lookup reads B rows,
+  quantized or not), plus the LM head (the tied table when tied, packed when quantized), plus top_k of the
+  num_experts experts in each MoE layer; counted from the tensors' real element sizes, so FP8 weights count
+  1 byte plus their scales, affine int4 / int8 weights their packed words plus their scales and biases. The KV
+  cache is not counted.
 - bytes per step at batch B: weights are read once per step, experts once per step for each distinct expert
   the B tokens route to: dense + expert_bytes * (1 - (1 - k/E)^B) (the expected share of distinct experts
   under uniform routing; exactly k/E at B = 1).
@@ -35,6 +37,7 @@ from torch import nn
 
 from server.engine.weights import persistent_tensors
 from server.kernels.compat import synchronize
+from server.models.affine_quant import AffineEmbedding
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,19 @@ def _is_expert_tensor(module: nn.Module, tensor: torch.Tensor) -> bool:
     return isinstance(num_experts, int) and tensor.dim() >= 2 and tensor.shape[0] == num_experts
 
 
+def _read_tensors(head: nn.Module) -> list[torch.Tensor]:
+    """The tensors the LM head reads: its own, or a tied affine head's quantized table (AffineTiedHead)."""
+    if hasattr(head, "read_tensors"):
+        return list(head.read_tensors())
+    return list(head.state_dict(keep_vars=True).values())
+
+
 def weight_bytes(model: nn.Module) -> WeightBytes:
     """Count the bytes a decode step reads, from the model's actual tensors (works on the meta device)."""
     head = getattr(model, "lm_head", None)
-    head_ids = {id(t) for t in head.state_dict(keep_vars=True).values()} if isinstance(head, nn.Module) else set()
-    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    head_ids = {id(t) for t in _read_tensors(head)} if isinstance(head, nn.Module) else set()
+    embed_ids = {id(t) for m in model.modules() if isinstance(m, (nn.Embedding, AffineEmbedding))
+                 for t in (m.packed() if isinstance(m, AffineEmbedding) else (m.weight,))}
     dense = experts = 0
     num_experts = 0
     for name, tensor in persistent_tensors(model).items():

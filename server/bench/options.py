@@ -11,7 +11,7 @@ from typing import Any
 DEFAULT_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROMPT_LEN = 128
 DEFAULT_DECODE_TOKENS = 128
-QUANTIZATIONS = ("none", "fp8")
+QUANTIZATIONS = ("none", "fp8", "int8", "int4")
 GRAPH_MODES = {"on": True, "off": False}
 COPY_MIB = {"cuda": 4096, "mps": 1024, "cpu": 256}  # copy-bandwidth buffer per device type, past any cache
 COMPARE_INSTALL = "pip install 'mps-serve[compare]'"  # the extra that brings transformers

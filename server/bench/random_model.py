@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from server.engine import device as device_mod
+from server.engine.mlx_checkpoint import AffineLoader
 from server.engine.weights import WeightLoader, empty_model, persistent_tensors
+from server.models.affine_quant import affine_modules
 from server.models.parallel import Layout, locate
 
 INIT_STD = 0.02
@@ -47,15 +49,18 @@ def build_random_model(
     in bf16. Under a parallel `layout`, this rank's part: the same values as one device's model, sliced."""
     model = empty_model(hf_config, device, dtype, quantization, layout)
     loader = WeightLoader(model)
+    affine = AffineLoader(model) if affine_modules(model) else None  # int4 / int8: quantized as they load
     for name, meta in persistent_tensors(empty_model(hf_config, "meta", dtype)).items():
         where = locate(model, name)
         if not meta.is_floating_point() or where is None:
             continue
         local_name, shard = where
-        if loader.resolve(local_name) is None:
+        if loader.resolve(local_name) is None and (affine is None or affine.resolve(local_name) is None):
             raise ValueError(f"{name} has no place in the {quantization or dtype} model")
         value = init_value(name, meta.shape, meta.dtype, device, seed)
-        loader.load(local_name, value if shard is None else shard.take(value))
+        value = value if shard is None else shard.take(value)
+        if affine is None or not affine.take(local_name, value):
+            loader.load(local_name, value)
     return model
 
 

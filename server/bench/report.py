@@ -79,6 +79,11 @@ def graph_mode(record: dict[str, Any]) -> str:
     return "off" if record["engine_config"]["cuda_graphs"] is False else "n/a"
 
 
+def _bits(record: dict[str, Any]) -> str:
+    """Resident bits per weight of a record (absent from records written before it was measured)."""
+    return _fmt(record.get("bits_per_weight"), ".2f")
+
+
 def table(records: list[dict[str, Any]]) -> str:
     if not records:
         return "(no results)"
@@ -90,13 +95,13 @@ def table(records: list[dict[str, Any]]) -> str:
         f"quantize={','.join(quantizations)}, prompt {first['prompt_len']}, decode {first['num_decode_tokens']}, "
         f"torch {first['torch_version']}; copy {first['copy_gb_s']:.0f} GB/s; "
         + ("" if several else f"{gigabytes(first['weight_bytes_per_token'])} of weights read per "
-           f"token at batch 1; model + engine built in {first['build_s']:.1f} s; ")
+           f"token at batch 1 ({_bits(first)} bits per weight); model + engine built in {first['build_s']:.1f} s; ")
         + f"kernels/step counted as {first['kernels_counted_by']}"
     )
     header = ["graphs", "launch", "B", "decode tok/s", "ms/tok", "kernels/step", "kernel ms", "prefill tok/s",
               "GB/s", "roofline", "warm-up s"]
     if several:
-        header = ["quantize", "weights/step", *header]
+        header = ["quantize", "bits/w", "weights/step", *header]
     comparing = any("peer_decode_tok_s" in r for r in records)
     if comparing:
         header += ["peer tok/s", "peer roofline", "speedup"]
@@ -108,7 +113,7 @@ def table(records: list[dict[str, Any]]) -> str:
                _fmt(r["achieved_gb_s"], ".1f"),
                _fmt(r["roofline_fraction"] * 100, ".1f") + "%", _fmt(r["compile_s"], ".1f")]
         if several:
-            row = [r["quantize"], gigabytes(r["weight_bytes_per_step"]), *row]
+            row = [r["quantize"], _bits(r), gigabytes(r["weight_bytes_per_step"]), *row]
         if comparing:
             frac = r.get("peer_roofline_fraction")
             row += [_fmt(r.get("peer_decode_tok_s"), ".1f"), "-" if frac is None else f"{frac * 100:.1f}%",

@@ -146,6 +146,7 @@ def measure_ours(opts, quantize: str, graphs: bool | None, target: Target, devic
     weights = measure.weight_bytes(engine.model)
     info = {
         "build_s": build_s, "weight_bytes_total": measure.total_weight_bytes(engine.model),
+        "bits_per_weight": engine.bits_per_weight,
         "engine_config": {k: v for k, v in engine.config.flat().items() if k != "model"},
         "compile_prefill": engine.steps.compile_prefill,  # the config's None resolved for this device and model
         "decode_attention": _decode_attention(engine),  # which attention each decode graph runs

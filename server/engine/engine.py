@@ -45,7 +45,7 @@ from server.engine.types import (
     StepFailedError,
     StreamDelta,
 )
-from server.engine.weights import persistent_tensors, resolve_model_path
+from server.engine.weights import bits_per_weight, persistent_tensors, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class Engine:
                  max_model_len: int, model_name: str, parts: EngineParts, steps: Steps | None = None,
                  pooling: Pooling | None = None):
         self.model, self.tokenizer, self.config = model, tokenizer, config
+        self._bits_per_weight: float | None = None  # computed on first use (stats(), /metrics)
         self.pooling = pooling  # set for embedding checkpoints (embeddings.read_pooling)
         if pooling is not None:
             check_embeddable(model)
@@ -128,6 +129,13 @@ class Engine:
         """Bytes of all weights on the device: parameters and persistent buffers (FP8 weights and their
         scales, expert biases), each shared tensor once; not derived tables such as RoPE frequencies."""
         return sum(t.numel() * t.element_size() for t in persistent_tensors(self.model).values())
+
+    @property
+    def bits_per_weight(self) -> float:
+        """Resident bits per model weight (engine/weights.bits_per_weight): ~16 bf16, ~8 FP8, ~4.5 int4."""
+        if self._bits_per_weight is None:
+            self._bits_per_weight = bits_per_weight(self.model)
+        return self._bits_per_weight
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -243,6 +251,7 @@ class Engine:
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generated_tokens,
             compile_state=self.compile_state,
+            bits_per_weight=self.bits_per_weight,
         )
 
     # ---- convenience API ----------------------------------------------------------------------

@@ -49,10 +49,25 @@ ROUTER_FORMAT = AffineFormat(64, 8)  # mlx-lm's quant_predicate of the MoE model
 ROUTER_SUFFIXES = ("mlp.gate", "shared_expert_gate", "feed_forward.gate")
 LEAVES = ("weight", "scales", "biases")
 
-# mlx-lm name -> Hugging Face name, per model_type: (pattern, replacement) applied in order.
+# mlx-lm name -> Hugging Face name, per model_type: (pattern, replacement) applied in order (mlx-lm's models/*.py
+# `sanitize` show how their stored names differ: stacked experts as `switch_mlp`, Qwen3.5's text model under
+# `language_model.`, LFM2-MoE's w1 / w3 / w2 as gate / up / down_proj).
+_SWITCH_MLP = (r"\.mlp\.switch_mlp\.", ".mlp.experts.")
+_LANGUAGE_MODEL = (r"^language_model\.", "")
+_LFM2_MOE = [(r"\.feed_forward\.switch_mlp\.", ".feed_forward.experts."),
+             *((rf"\.feed_forward\.(experts\.|){mlx}\.", rf".feed_forward.\1{hf}.")
+               for mlx, hf in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")))]
 MLX_RENAMES: dict[str, list[tuple[str, str]]] = {
-    "qwen3_moe": [(r"\.mlp\.switch_mlp\.", ".mlp.experts.")],
+    "qwen3_moe": [_SWITCH_MLP],
+    "qwen3_next": [_SWITCH_MLP],
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), [_LANGUAGE_MODEL, _SWITCH_MLP]),
+    "lfm2_moe": _LFM2_MOE,
 }
+# Norms mlx-lm stores as 1 + w where Hugging Face stores w (zero-centred RMSNorm: Qwen3.5 / Qwen3-Next).
+ZERO_CENTRED_NORMS = re.compile(r"(\.input_layernorm|\.post_attention_layernorm|^model\.norm|\.q_norm|\.k_norm)\.weight$")
+ZERO_CENTRED = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
+# Depthwise conv weights mlx-lm stores as [C, K, 1] where Hugging Face stores [C, 1, K].
+CONV_WEIGHT = re.compile(r"(\.conv\.conv|\.linear_attn\.conv1d)\.weight$")
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)$")
 
 
@@ -83,6 +98,27 @@ def mlx_to_hf(model_type: str, name: str) -> str:
     return name
 
 
+def mlx_tensor_to_hf(model_type: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An MLX checkpoint's float tensor as Hugging Face stores it (mlx-lm's `sanitize` undone): depthwise conv
+    weights [C, K, 1] -> [C, 1, K]; zero-centred norms 1 + w -> w (exact: 1 + w lies in [0.5, 2], where the
+    difference is representable, and the forward's 1 + w gives back the stored value bit for bit)."""
+    if CONV_WEIGHT.search(hf_name) and tensor.ndim == 3 and tensor.shape[-1] == 1:
+        return tensor.transpose(1, 2)
+    if model_type in ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(hf_name):
+        return tensor - 1.0
+    return tensor
+
+
+def hf_tensor_to_mlx(model_type: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of mlx_tensor_to_hf (`name`: ours, after the model's sanitize): what mlx-lm's `sanitize`
+    makes of a Hugging Face tensor, for `mps-serve quantize`."""
+    if CONV_WEIGHT.search(name) and tensor.ndim == 3 and tensor.shape[1] == 1:
+        return tensor.transpose(1, 2).contiguous()
+    if model_type in ZERO_CENTRED and tensor.ndim == 1 and ZERO_CENTRED_NORMS.search(name):
+        return tensor + 1.0
+    return tensor
+
+
 def read_headers(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, safetensors dtype) of every tensor in `files`, from the headers only."""
     found = {}
@@ -106,12 +142,18 @@ def checkpoint_spec(config: dict[str, Any], table: dict[str, Any], files: list[P
 
     def bind(model: nn.Module) -> QuantSpec:
         quantized = {}  # our source name -> (mlx path, packed width, groups)
+        split = getattr(model, "split_tensor", None)
         for name, (shape, _) in headers.items():
             if name.endswith(".scales") and name[: -len("scales")] + "weight" in headers:
                 path = name[: -len(".scales")]
-                ours = model.sanitize(mlx_to_hf(model_type, path))
-                if ours is not None:
-                    quantized[ours] = (path, headers[path + ".weight"][0][-1], shape[-1])
+                ours = model.sanitize(mlx_to_hf(model_type, path + ".weight"))
+                if ours is None:
+                    continue
+                weight_shape = headers[path + ".weight"][0]
+                # a tensor the model splits while loading (Qwen3-Next's grouped GDN projections): its pieces
+                pieces = split(ours, torch.empty(weight_shape, device="meta")) if split else [(ours, None)]
+                for piece, _ in pieces:
+                    quantized[piece.removesuffix(".weight")] = (path, weight_shape[-1], shape[-1])
 
         def spec(source: str, in_features: int) -> AffineFormat | None:
             if source not in quantized:
@@ -151,15 +193,16 @@ def recipe_spec(bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> Callable[[nn
 
 
 def iter_mlx_checkpoint(files: list[Path], model: nn.Module, model_type: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(our name, tensor) of every tensor of an MLX checkpoint, mlx-lm's names mapped to Hugging Face's and then
-    through the model's `sanitize`."""
+    """(our name, tensor) of every tensor of an MLX checkpoint, mlx-lm's names and layouts mapped to Hugging Face's
+    and then through the model's `sanitize`."""
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    mapped = model.sanitize(mlx_to_hf(model_type, name))
+                    hf_name = mlx_to_hf(model_type, name)
+                    mapped = model.sanitize(hf_name)
                     if mapped is not None:
-                        yield mapped, handle.get_tensor(name)
+                        yield mapped, mlx_tensor_to_hf(model_type, hf_name, handle.get_tensor(name))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"weight file {file} is corrupt or unreadable: {exc}") from None
 
@@ -182,6 +225,7 @@ class AffineLoader:
                 parent = name.rpartition(".")[0]
                 for i, src in enumerate(module.source_names):
                     self.targets[f"{parent}.{src}" if parent else src] = (name, module, "", (module.shard_rows(i),))
+                self.targets[name] = (name, module, "", ())  # all rows at once (bench/random_model's tensors)
             else:
                 self.targets[name] = (name, module, "", ())
             for buffer_name, buffer in module.named_buffers(recurse=False):
@@ -195,6 +239,7 @@ class AffineLoader:
         for proj, (prefix, part) in rows.items():
             self.targets[f"{name}.{proj}"] = (name, module, prefix, (routed,) if part is None else (routed, part))
         self.targets[f"{name}.gate_up_proj"] = (name, module, "gate_up_", (routed,))  # fused float (Qwen3.5)
+        self.targets[f"{name}.down_proj"] = (name, module, "down_", (routed,))
         if module.shared_slot is not None:
             parent = name.rpartition(".")[0]
             for proj, (prefix, part) in rows.items():
@@ -219,9 +264,17 @@ class AffineLoader:
         if target is None:
             return False
         module_name, module, prefix, index, leaf = target
-        if leaf == "weight" and tensor.is_floating_point():  # a float checkpoint: quantize as it streams in
+        if prefix and len(index) == 1 and isinstance(index[0], slice) and tensor.shape[0] == module.num_experts:
+            index = ()  # a fused tensor of every slot, the shared expert's too (bench/random_model's)
+        fmt = part_format(module, prefix)
+        if fmt is None:  # an experts projection kept in the model dtype
+            if leaf != "weight" or not tensor.is_floating_point():
+                raise ModelLoadError(f"{name}: {module_name} holds this projection unquantized, the checkpoint "
+                                     "has it quantized")
+            self._fill(name, module_name, module, prefix + "proj", index, tensor)
+        elif leaf == "weight" and tensor.is_floating_point():  # a float checkpoint: quantize as it streams in
             dest = getattr(module, prefix + "scales")
-            pieces = affine.quantize_affine(tensor.to(dest.device, dest.dtype), module.group_size, module.bits)
+            pieces = affine.quantize_affine(tensor.to(dest.device, dest.dtype), fmt.group_size, fmt.bits)
             for piece_leaf, piece in zip(LEAVES, pieces, strict=True):
                 self._fill(name, module_name, module, prefix + piece_leaf, index, piece)
         else:
@@ -233,7 +286,7 @@ class AffineLoader:
         dest = getattr(module, buffer_name)[index] if index else getattr(module, buffer_name)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(f"shape mismatch for {name}: checkpoint has {list(tensor.shape)}, the "
-                                 f"{module.bits}-bit model expects {list(dest.shape)}")
+                                 f"quantized model expects {list(dest.shape)} ({buffer_name} of {module_name})")
         if (dest.dtype == torch.uint32) != (tensor.dtype == torch.uint32):
             raise ModelLoadError(f"{name} is {tensor.dtype}, expected {dest.dtype}")
         dest.copy_(tensor)
@@ -251,3 +304,21 @@ class AffineLoader:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"checkpoint is missing quantized tensors (or rows of them): {shown}")
+
+
+def quantized_target(loader: AffineLoader, model: nn.Module, name: str, tensor: torch.Tensor
+                     ) -> tuple[nn.Module, AffineFormat | None] | None:
+    """(the affine module, the format of its part) that checkpoint tensor `name` (ours, after sanitize) fills, or
+    None where no affine module takes it; a tensor the model splits while loading goes where its pieces go."""
+    split = getattr(model, "split_tensor", None)
+    pieces = split(name, torch.empty(tensor.shape, device="meta")) if split else [(name, None)]
+    target = loader.resolve(pieces[0][0])
+    if target is None:
+        return None
+    module, prefix = target[1], target[2]
+    return module, part_format(module, prefix)
+
+
+def part_format(module: nn.Module, prefix: str) -> AffineFormat | None:
+    """The format of an affine module's part ("gate_up_" / "down_" of experts, "" for the others)."""
+    return module.gate_up_fmt if prefix == "gate_up_" else module.down_fmt if prefix == "down_" else module.fmt

@@ -213,6 +213,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     compile_state: str = "off"  # Engine.compile_state, one of COMPILE_STATES
+    bits_per_weight: float = 0.0  # resident bits per model weight (engine/weights.bits_per_weight); 0: unknown
 
 
 # The compiled steps: nothing to compile; compiled on first use; being built beside serving; in use; failed

@@ -29,7 +29,7 @@ from server.engine.mlx_checkpoint import (
 )
 from server.engine.types import ModelLoadError
 from server.kernels.fp8 import FP8_DTYPE, blockwise_to_rowwise
-from server.models.affine_quant import QuantSpec, affine_modules, swap_to_affine
+from server.models.affine_quant import QuantSpec, affine_modules, packed_weights, swap_to_affine
 from server.models.parallel import Layout, apply_layout, locate
 from server.models.quant import swap_to_fp8
 from server.models.registry import get_model_module
@@ -392,17 +392,24 @@ def load_model(
             tensors = iter_checkpoint(safetensors_files(model_dir), model, fp8_block)
         if checkpoint_fp8:
             tensors = dequantize_blockwise(tensors, quant_config)
+        tensors = split_tensors(model, tensors)
         if affine_loader is not None:
             tensors = affine_loader.filter(tensors)  # packed tensors, and float ones quantized as they stream in
         for name, tensor in tensors:
-            # A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections).
-            split = getattr(model, "split_tensor", None)
-            for piece_name, piece in split(name, tensor) if split else [(name, tensor)]:
-                loader.load(piece_name, piece)
+            loader.load(name, tensor)
     loader.check_complete()
     if affine_loader is not None:
         affine_loader.check_complete()
     return model, config
+
+
+def split_tensors(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A model may split one checkpoint tensor into several (Qwen3-Next's grouped GDN projections, whose rows
+    split alike whether they hold float weights or packed ones with their scales and biases)."""
+    split = getattr(model, "split_tensor", None)
+    for name, tensor in tensors:
+        yield from split(name, tensor) if split else [(name, tensor)]
 
 
 def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -414,3 +421,14 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(tensor))
             out[name] = tensor
     return out
+
+
+def bits_per_weight(model: nn.Module) -> float:
+    """Bits of the resident weights per model weight, as mlx-lm reports it (compute_bits_per_weight): all
+    persistent tensors' bytes (scales, biases, norms included) * 8 over the weights they stand for (a packed
+    word for 32 / bits of them; scales and biases for none). 16 for a bf16 model, about 8.5 / 4.5 for affine
+    8 / 4 bits in groups of 64, a little over 8 for FP8 (its row scales)."""
+    tensors = persistent_tensors(model).values()
+    counts = packed_weights(model)
+    num_weights = sum(counts.get(id(t), t.numel()) for t in tensors)
+    return 8 * sum(t.numel() * t.element_size() for t in tensors) / max(num_weights, 1)

@@ -158,33 +158,47 @@ def affine_embedding(ids: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, b
     return dequantize_affine(q[ids], scales[ids], biases[ids], group_size, bits)
 
 
+# An experts projection: packed (q, scales, biases) with its format (group_size, bits), or a float tensor [E, N, K]
+# with format None (mlx-lm leaves a projection whose input dimension the group does not divide unquantized, so
+# gate_up may be packed while down is not).
+Format = tuple[int, int] | None
+
+
 def affine_experts(
     x: torch.Tensor,  # [T, H]
     weights: torch.Tensor,  # [T, k]
     expert_ids: torch.Tensor,  # [T, k] int64
-    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # packed [E, 2I, H*b/32], scales, biases [E, 2I, H/gs]
-    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # packed [E, H, I*b/32], scales, biases [E, H, I/gs]
-    group_size: int,
-    bits: int,
+    gate_up: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor,  # packed [E, 2I, H*b/32] + [E, 2I, H/gs] x2
+    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor,  # packed [E, H, I*b/32] + [E, H, I/gs] x2
+    gate_up_format: Format,
+    down_format: Format,
     form: str = "reference",
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H] in x.dtype,
-    each expert's weights dequantized from the packed form (MLX's SwitchGLU with QuantizedSwitchLinear)."""
+    each expert's weights dequantized from the packed form (MLX's SwitchGLU with QuantizedSwitchLinear); a
+    projection whose format is None is a float [E, N, K] tensor (SwitchLinear)."""
     if form == "reference":
-        return affine_experts_reference(x, weights, expert_ids, gate_up, down, group_size, bits)
+        return affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_format, down_format)
     if form == "reduction":
-        return affine_experts_reduction(x, weights, expert_ids, gate_up, down, group_size, bits)
+        return affine_experts_reduction(x, weights, expert_ids, gate_up, down, gate_up_format, down_format)
     raise ValueError(f"unknown affine experts form {form!r}; one of {FORMS}")
 
 
-def affine_experts_reference(x, weights, expert_ids, gate_up, down, group_size, bits):
+def _expert_weight(weight, fmt: Format, index) -> torch.Tensor:
+    """Rows `index` (an expert id, or a tensor of them) of an experts projection, dequantized where packed."""
+    if fmt is None:
+        return weight[index]
+    return dequantize_affine(*(t[index] for t in weight), *fmt)
+
+
+def affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_format, down_format):
     """The twin: a loop over the experts that were hit (host syncs), dequantizing only those experts, each
     projection computed in the model dtype as F.linear does, the routed sum in float32."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
     for expert in expert_ids.unique().tolist():
         token_idx, slot_idx = (expert_ids == expert).nonzero(as_tuple=True)
-        w_gate_up = dequantize_affine(*(t[expert] for t in gate_up), group_size, bits).to(x.dtype)
-        w_down = dequantize_affine(*(t[expert] for t in down), group_size, bits).to(x.dtype)
+        w_gate_up = _expert_weight(gate_up, gate_up_format, expert).to(x.dtype)
+        w_down = _expert_weight(down, down_format, expert).to(x.dtype)
         hidden = F.linear(x[token_idx], w_gate_up)  # [n, 2I]
         inter = hidden.shape[-1] // 2
         y = F.linear(F.silu(hidden[:, :inter]) * hidden[:, inter:], w_down)  # [n, H]
@@ -192,19 +206,26 @@ def affine_experts_reference(x, weights, expert_ids, gate_up, down, group_size, 
     return out.to(x.dtype)
 
 
-def affine_experts_reduction(x, weights, expert_ids, gate_up, down, group_size, bits):
+def affine_experts_reduction(x, weights, expert_ids, gate_up, down, gate_up_format, down_format):
     """Sync-free: each token-expert slot reads only its expert's packed rows (gathered by id) and multiplies them
     in affine_linear_reduction's form, in float32. For torch.compile at decode sizes (few slots), where inductor
     folds the gathers into the reductions; eager it materializes [T*k, 2I, H]."""
     num_tokens, top_k = expert_ids.shape
     flat_ids = expert_ids.reshape(-1)  # [T*k]
     x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    hidden = _slot_reduction(x_slots, *(t[flat_ids] for t in gate_up), group_size, bits)  # [T*k, 2I]
+    hidden = _slot_product(x_slots, gate_up, gate_up_format, flat_ids)  # [T*k, 2I]
     inter = hidden.shape[-1] // 2
     act = (F.silu(hidden[:, :inter]) * hidden[:, inter:]).to(x.dtype)  # rounded as the model dtype's SwiGLU
-    y = _slot_reduction(act.unsqueeze(1), *(t[flat_ids] for t in down), group_size, bits)  # [T*k, H]
+    y = _slot_product(act.unsqueeze(1), down, down_format, flat_ids)  # [T*k, H]
     y = y.to(x.dtype).float().view(num_tokens, top_k, -1)
     return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def _slot_product(x_slots, weight, fmt: Format, flat_ids) -> torch.Tensor:
+    """x_slots [S, 1, K] against each slot's expert rows of `weight` -> [S, N] float32."""
+    if fmt is None:
+        return (x_slots.float() * weight[flat_ids].float()).sum(-1)  # [S, N, K] -> [S, N]
+    return _slot_reduction(x_slots, *(t[flat_ids] for t in weight), *fmt)
 
 
 def _slot_reduction(x_slots, q, scales, biases, group_size, bits):

@@ -121,45 +121,75 @@ class AffineTiedHead(nn.Module):
     def weight(self, value) -> None:
         pass
 
+    def read_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What computing the logits reads: the whole packed table, its scales and biases."""
+        return self._embedding[0].packed()
+
     def forward(self, x: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         emb = self._embedding[0]
         return affine.affine_linear(x, *emb.packed(), emb.group_size, emb.bits, None, linear_form(x, plan))
 
 
 class AffineFusedExperts(_Packed):
-    """FusedExperts packed: gate_up_proj [E, 2I, H*b/32] (+ gate_up_scales, gate_up_biases [E, 2I, H/gs]) and
-    down_proj [E, H, I*b/32] (+ down_scales, down_biases), gate and up (and down) in one format."""
+    """FusedExperts packed: gate_up_weight [E, 2I, H*b/32] (+ gate_up_scales, gate_up_biases [E, 2I, H/gs]) and
+    down_weight [E, H, I*b/32] (+ down_scales, down_biases), gate and up in one format (`gate_up_fmt`), down in
+    its own (`down_fmt`). A projection left in the model dtype (format None: mlx-lm keeps a layer whose input
+    dimension the group does not divide unquantized) is held as FusedExperts holds it, `gate_up_proj`
+    [E, 2I, H] or `down_proj` [E, H, I], a buffer the AffineLoader fills."""
 
-    def __init__(self, experts: FusedExperts, fmt: AffineFormat, dtype: torch.dtype):
+    def __init__(self, experts: FusedExperts, gate_up_fmt: AffineFormat | None, down_fmt: AffineFormat | None,
+                 dtype: torch.dtype):
         super().__init__()
+        if gate_up_fmt is None and down_fmt is None:
+            raise ValueError("AffineFusedExperts needs at least one quantized projection")
         self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
-        self.per_expert_names, self.shared_slot, self.fmt = experts.per_expert_names, experts.shared_slot, fmt
-        self.group_size, self.bits = fmt.group_size, fmt.bits
+        self.per_expert_names, self.shared_slot = experts.per_expert_names, experts.shared_slot
+        self.gate_up_fmt, self.down_fmt = gate_up_fmt, down_fmt
+        self.fmt = gate_up_fmt or down_fmt  # the format reported for the module (the larger part's where packed)
+        self.group_size, self.bits = self.fmt.group_size, self.fmt.bits
         num_experts, two_inter, hidden = experts.gate_up_proj.shape
         device = experts.gate_up_proj.device
-        self._register_packed("gate_up_", (num_experts, two_inter), hidden, fmt, dtype, device)
-        self._register_packed("down_", (num_experts, hidden), experts.intermediate_size, fmt, dtype, device)
+        for prefix, rows, in_features, fmt in (("gate_up_", (num_experts, two_inter), hidden, gate_up_fmt),
+                                               ("down_", (num_experts, hidden), experts.intermediate_size, down_fmt)):
+            if fmt is None:
+                self.register_buffer(prefix + "proj", torch.empty(*rows, in_features, dtype=dtype, device=device))
+            else:
+                self._register_packed(prefix, rows, in_features, fmt, dtype, device)
+
+    def part(self, prefix: str) -> tuple[tuple[torch.Tensor, ...] | torch.Tensor, tuple[int, int] | None]:
+        """(the packed triple or the float tensor, (group_size, bits) or None) of "gate_up_" or "down_"."""
+        fmt = self.gate_up_fmt if prefix == "gate_up_" else self.down_fmt
+        if fmt is None:
+            return getattr(self, prefix + "proj"), None
+        return self.packed(prefix), (fmt.group_size, fmt.bits)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         form = "reduction" if plan.affine_reduction else "reference"  # the reference syncs with the host
-        return affine.affine_experts(x, weights, expert_ids, self.packed("gate_up_"), self.packed("down_"),
-                                     self.group_size, self.bits, form)
+        (gate_up, gate_up_format), (down, down_format) = self.part("gate_up_"), self.part("down_")
+        return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form)
 
 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
     """Replace, in place (on the meta device), every linear, experts block and embedding whose checkpoint
-    source(s) `spec` quantizes by its affine form. A fused module's sources must share one format. A tied LM
-    head follows the embedding."""
+    source(s) `spec` quantizes by its affine form. A fused linear's sources must share one format; experts take
+    one for gate and up and one for down (either may be None). A tied LM head follows the embedding."""
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     for name, module in list(model.named_modules()):
         if tied and name == "lm_head":
             continue
-        fmt = _module_format(name, module, spec)
-        if fmt is None:
+        sources = source_names(name, module)
+        if not sources:
             continue
         if isinstance(module, FusedExperts):
-            new = AffineFusedExperts(module, fmt, dtype)
-        elif isinstance(module, MergedLinear):
+            gate_up, down = expert_sources(name, module)
+            gate_up_fmt, down_fmt = _common_format(name, gate_up, spec), _common_format(name, down, spec)
+            if gate_up_fmt is not None or down_fmt is not None:
+                _replace(model, name, AffineFusedExperts(module, gate_up_fmt, down_fmt, dtype))
+            continue
+        fmt = _common_format(name, sources, spec)
+        if fmt is None:
+            continue
+        if isinstance(module, MergedLinear):
             new = AffineMergedLinear(module, fmt, dtype)
         elif isinstance(module, nn.Embedding):
             new = AffineEmbedding(module, fmt, dtype)
@@ -172,12 +202,12 @@ def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> Non
 
 def source_names(name: str, module: nn.Module) -> list[tuple[str, int]] | None:
     """(checkpoint module name in HF naming, stacked experts as `<experts>.<proj>`; its input dimension) of each
-    weight `module` at `name` holds; None for modules that are not quantizable."""
+    weight `module` at `name` holds; None for modules that are not quantizable. Experts list gate, up, down, and
+    where a shared expert is kept as their last slot its gate, up, down as `<experts>.<slot>.<proj>`."""
     parent = name.rpartition(".")[0]
     if isinstance(module, FusedExperts):
-        gate, up, down = module.per_expert_names
-        hidden = module.gate_up_proj.shape[-1]
-        return [(f"{name}.{gate}", hidden), (f"{name}.{up}", hidden), (f"{name}.{down}", module.intermediate_size)]
+        gate_up, down = expert_sources(name, module)
+        return gate_up + down
     if isinstance(module, MergedLinear):
         return [(f"{parent}.{src}" if parent else src, module.in_features) for src in module.source_names]
     if isinstance(module, nn.Linear):
@@ -187,16 +217,37 @@ def source_names(name: str, module: nn.Module) -> list[tuple[str, int]] | None:
     return None
 
 
-def _module_format(name: str, module: nn.Module, spec: QuantSpec) -> AffineFormat | None:
-    sources = source_names(name, module)
-    if not sources:
-        return None
+def expert_sources(name: str, experts: FusedExperts) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """source_names of an experts block as (gate and up, down)."""
+    gate, up, down = experts.per_expert_names
+    hidden, inter = experts.gate_up_proj.shape[-1], experts.intermediate_size
+    slots = [""] if experts.shared_slot is None else ["", f"{experts.shared_slot}."]
+    return ([(f"{name}.{slot}{proj}", hidden) for slot in slots for proj in (gate, up)],
+            [(f"{name}.{slot}{down}", inter) for slot in slots])
+
+
+def _common_format(name: str, sources: list[tuple[str, int]], spec: QuantSpec) -> AffineFormat | None:
     formats = {spec(*src) for src in sources}
     if len(formats) > 1:
         shown = ", ".join(f"{src}: {spec(src, dim)}" for src, dim in sources)
         raise ValueError(f"the projections fused into {name} are quantized differently ({shown}); mixed formats "
-                         "within one fused projection are not supported")
+                         "within one fused projection are not supported (mlx-lm's recipes do not write them)")
     return formats.pop()
+
+
+def packed_weights(model: nn.Module) -> dict[int, int]:
+    """id(tensor) -> the weights it stands for, for every tensor of the affine modules: a packed weight holds
+    32 / bits per word, scales and biases none (mlx-lm's get_total_parameters counts alike)."""
+    counts = {}
+    for module in affine_modules(model).values():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.dtype == torch.uint32:
+                fmt = (module.gate_up_fmt if name.startswith("gate_up_") else module.down_fmt
+                       if name.startswith("down_") else module.fmt)
+                counts[id(buffer)] = buffer.numel() * 32 // fmt.bits
+            elif name.endswith(("scales", "biases")):
+                counts[id(buffer)] = 0
+    return counts
 
 
 def affine_modules(model: nn.Module) -> dict[str, nn.Module]:

@@ -260,7 +260,7 @@ class SharedExpertMoE(nn.Module):
         """shared_expert_gate(x) [T, 1]. `reduction` (StepPlan.shared_gate_reduction: compiled): a reduction over
         the hidden size that inductor generates with its neighbours, where a one-row linear is a BLAS call of its
         own (a dot and its reduction on CUDA)."""
-        if not reduction:
+        if not reduction or not isinstance(self.shared_expert_gate, nn.Linear):  # or quantized
             return self.shared_expert_gate(x)
         return (x.float() * self.shared_expert_gate.weight.float()).sum(-1, keepdim=True).to(x.dtype)
 

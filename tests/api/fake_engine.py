@@ -208,7 +208,7 @@ class FakeEngine:
         used = 3 * len(self.running)
         return EngineStats(num_waiting=self.num_waiting, num_running=len(self.running), kv_blocks_used=used,
                            kv_blocks_free=100 - used, prefix_cache_hit_tokens=7 * len(self.submitted),
-                           compile_state=self.compile_state)
+                           compile_state=self.compile_state, bits_per_weight=4.5)
 
     async def start(self) -> None:
         self.started = True

@@ -110,6 +110,7 @@ def test_metrics_count_requests_tokens_and_engine_gauges() -> None:
         assert _metric(metrics, "mps_serve_kv_blocks_free") == stats.kv_blocks_free
         assert _metric(metrics, "mps_serve_prefix_cache_hit_tokens_total") == stats.prefix_cache_hit_tokens
         assert _metric(metrics, "mps_serve_num_requests_waiting") == stats.num_waiting
+        assert _metric(metrics, "mps_serve_bits_per_weight") == stats.bits_per_weight == 4.5
 
 
 def test_health_and_metrics_report_the_compile_state() -> None:

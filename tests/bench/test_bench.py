@@ -77,6 +77,24 @@ def test_bench_tiny_moe_with_transformers_peer(tmp_path, capsys):
     assert "decode tok/s" in table and "speedup" in table and "quantize=none,fp8" in table
 
 
+def test_bench_int8_and_int4_report_bits_per_weight_and_packed_bytes(tmp_path, capsys):
+    """--quantize none,int8,int4: each side's bits per weight and the bytes a token reads, counted from the packed
+    tensors (packed words + scales + biases; the untied embedding only for the looked-up rows)."""
+    out = tmp_path / "bench.jsonl"
+    assert main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1", "--decode-tokens", "4", "--prompt-len", "8",
+                 "--json", str(out), "--device", "cpu", "--reps", "1", "--copy-mib", "8", "--quantize", "none,int8,int4",
+                 "--engine-option", "compile_prefill=false"]) == 0
+    none, int8, int4 = (json.loads(line) for line in out.read_text().splitlines())
+    assert none["bits_per_weight"] == 32.0  # float32 on the CPU
+    assert none["bits_per_weight"] > int8["bits_per_weight"] > int4["bits_per_weight"]
+    assert none["weight_bytes_per_token"] > int8["weight_bytes_per_token"] > int4["weight_bytes_per_token"]
+    for r in (int8, int4):
+        assert r["roofline_fraction"] == pytest.approx(r["achieved_gb_s"] / r["copy_gb_s"])
+        assert r["weight_bytes_per_token"] < r["weight_bytes_total"]
+    table = capsys.readouterr().out
+    assert "bits/w" in table and f"{int4['bits_per_weight']:.2f}" in table
+
+
 def test_bench_measures_both_graph_modes_side_by_side(tmp_path, capsys):
     out = tmp_path / "bench.jsonl"
     assert main(["bench", "--preset", "tiny-moe", "--batch-sizes", "1,2", "--decode-tokens", "4", "--prompt-len", "8",
@@ -313,8 +331,8 @@ def test_bad_invocations_say_what_to_fix(tmp_path, capsys):
         main(["bench", "--preset", "tiny-moe", "--graphs", "on", "--no-graphs"])
     assert "not allowed with argument" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse: usage error, exit 2
-        main(["bench", "--preset", "tiny-moe", "--quantize", "none,int4"])
-    assert "--quantize takes none, fp8 or a comma list of them, got 'none,int4'" in capsys.readouterr().err
+        main(["bench", "--preset", "tiny-moe", "--quantize", "none,int3"])
+    assert "--quantize takes none, fp8, int8, int4 or a comma list of them, got 'none,int3'" in capsys.readouterr().err
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nmodel_type = "llama"\n[bench]\nprompt_length = 3\n')
     with pytest.raises(ValueError, match="unknown \\[bench\\] key 'prompt_length'"):

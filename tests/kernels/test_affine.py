@@ -117,20 +117,24 @@ def test_embedding_rows_equal_mlx():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("num_tokens", [1, 5])
-def test_expert_forms_equal_the_dense_reference(num_tokens, dtype):
+@pytest.mark.parametrize("parts", ["both", "gate_up only", "down 8-bit"])
+def test_expert_forms_equal_the_dense_reference(num_tokens, dtype, parts):
+    """Experts packed, partly packed (mlx-lm leaves a down projection the group does not divide in the model dtype)
+    or with a format of their own per projection: both forms equal the dense product of the same weights."""
     gen = torch.Generator().manual_seed(num_tokens)
     num_experts, hidden, inter, top_k = 6, 64, 32, 2
     gate_up_w = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=gen)).to(dtype)
     down_w = (0.2 * torch.randn(num_experts, hidden, inter, generator=gen)).to(dtype)
-    gate_up = affine.quantize_affine(gate_up_w, 32, 4)
-    down = affine.quantize_affine(down_w, 32, 4)
+    gate_up_fmt, down_fmt = (32, 4), {"both": (32, 4), "gate_up only": None, "down 8-bit": (32, 8)}[parts]
+    gate_up = affine.quantize_affine(gate_up_w, *gate_up_fmt)
+    down = down_w if down_fmt is None else affine.quantize_affine(down_w, *down_fmt)
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), -1).to(dtype)
     expert_ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    dense = moe_experts_reference(x, weights, expert_ids, affine.dequantize_affine(*gate_up, 32, 4),
-                                  affine.dequantize_affine(*down, 32, 4))
+    dense = moe_experts_reference(x, weights, expert_ids, affine.dequantize_affine(*gate_up, *gate_up_fmt),
+                                  down if down_fmt is None else affine.dequantize_affine(*down, *down_fmt))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for form in affine.FORMS:
-        out = affine.affine_experts(x, weights, expert_ids, gate_up, down, 32, 4, form=form)
+        out = affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_fmt, down_fmt, form=form)
         assert out.dtype == dtype and out.shape == x.shape
         assert torch.allclose(out.float(), dense.float(), rtol=tol, atol=tol * dense.abs().max().item()), form
