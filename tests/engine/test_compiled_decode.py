@@ -205,7 +205,7 @@ def test_flex_at_batch_1_only_on_cuda_for_attention_only_models_where_its_probe_
     """The probe runs only where flex could be chosen; its verdict decides."""
     import torch
 
-    from server.engine import decode_graphs
+    from server.compile import decode_graphs
 
     probes = []
     verdict = [(True, "compiled and right")]
