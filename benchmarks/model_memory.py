@@ -1,82 +1,82 @@
-"""The README's "Models and memory" table, computed from the presets' configs (real model shapes): weight
-bytes in bf16 and in FP8 as the engine stores them (counted on the meta device, nothing is allocated), the KV
-cache per token, and which form fits a Mac of each unified-memory size.
+"""The README's "Models and memory" tables, computed from the presets' configs (real model shapes) by
+server/engine/model_size.py, as `mps-serve info MODEL` computes them: weight bytes in bf16, FP8, int8 and int4 as
+the engine stores them (counted on the meta device, nothing is allocated), bits per weight, the KV cache per token,
+and which form fits a Mac of each unified-memory size.
 
     PYTHONPATH=. python3 benchmarks/model_memory.py
 
-A model fits when its weights, a KV cache of KV_TOKENS tokens in bf16 (one long conversation, or several short
+A form fits when its weights, a KV cache of KV_TOKENS tokens in bf16 (one long conversation, or several short
 ones) and OVERHEAD_BYTES (activations, compiled graphs) fit in the memory macOS lets the GPU use: about 2/3 of
-unified memory up to 36 GB, 3/4 above.
+unified memory up to 36 GB, 3/4 above. A cell names the first of bf16, FP8, int8, int4 that fits.
 """
 
 from __future__ import annotations
 
-import torch
-
-from server.bench.measure import total_weight_bytes
 from server.bench.presets import available_presets, load_preset
-from server.engine.model_runner import KVCache
-from server.engine.weights import empty_model
+from server.engine.model_size import MAC_MEMORY_GB, ModelSizes, best_form, model_sizes
 
-MEMORY_GB = (16, 24, 36, 48, 64, 96, 128)
-KV_TOKENS = 32768
-OVERHEAD_BYTES = 2 * 10**9
+FLAG = {"bf16": "none", "fp8": "`--quantize fp8`", "int8": "`--quantize int8`", "int4": "`--quantize int4`"}
 
 
-def usable_bytes(memory_gb: int) -> float:
-    return memory_gb * 1e9 * (2 / 3 if memory_gb <= 36 else 3 / 4)
+def kv_mib_per_1k(sizes: ModelSizes) -> str:
+    return f"{sizes.kv_bytes_per_token * 1024 / 2**20:.0f} MiB"
 
 
-def sizes(name: str) -> dict:
-    hf_config = load_preset(name).hf_config
-    bf16 = empty_model(hf_config, "meta", torch.bfloat16)
-    fp8 = empty_model(hf_config, "meta", torch.bfloat16, "fp8")
-    kv_per_token = KVCache.bytes_per_block(bf16.kv_cache_shapes(), 1, torch.bfloat16)
-    return {
-        "name": name,
-        "model_type": hf_config["model_type"],
-        "params": sum(p.numel() for p in bf16.parameters()),
-        "bf16": total_weight_bytes(bf16),
-        "fp8": total_weight_bytes(fp8),
-        "kv_per_token": kv_per_token,
-    }
+def flags(sizes: ModelSizes) -> str:
+    """The flag for each run of Mac sizes that serve the same form, e.g. "`--quantize int4` on 24-36 GB; none
+    from 48 GB"."""
+    runs: list[tuple[str, list[int]]] = []
+    for gb in MAC_MEMORY_GB:
+        form = best_form(sizes, gb)
+        if form is None:
+            continue
+        if runs and runs[-1][0] == form:
+            runs[-1][1].append(gb)
+        else:
+            runs.append((form, [gb]))
+    if not runs:
+        return f"over {MAC_MEMORY_GB[-1]} GB: not on one Mac"
+    parts = []
+    for i, (form, gbs) in enumerate(runs):
+        if i == len(runs) - 1 and gbs[-1] == MAC_MEMORY_GB[-1]:
+            parts.append(f"{FLAG[form]} from {gbs[0]} GB")
+        else:
+            parts.append(f"{FLAG[form]} on {gbs[0]}" + (f"-{gbs[-1]}" if len(gbs) > 1 else "") + " GB")
+    return "; ".join(parts)
 
 
-def fitting(row: dict, memory_gb: int) -> str:
-    extra = row["kv_per_token"] * KV_TOKENS + OVERHEAD_BYTES
-    for form in ("bf16", "fp8"):
-        if row[form] + extra <= usable_bytes(memory_gb):
-            return form
-    return "-"
+def rows() -> list[tuple[str, ModelSizes]]:
+    found = [(n, model_sizes(load_preset(n).hf_config)) for n in available_presets() if n != "tiny-moe"]
+    return sorted(found, key=lambda row: row[1].forms["bf16"].weight_bytes)
 
 
-def flags(row: dict) -> str:
-    fits = {gb: fitting(row, gb) for gb in MEMORY_GB}
-    bf16_from = next((gb for gb in MEMORY_GB if fits[gb] == "bf16"), None)
-    fp8_from = next((gb for gb in MEMORY_GB if fits[gb] == "fp8"), None)
-    if fp8_from is None and bf16_from is None:
-        return "over 128 GB: not on one Mac"
-    if fp8_from is None or bf16_from == fp8_from:
-        return f"none needed from {bf16_from} GB"
-    if bf16_from is None:
-        return f"`--quantize fp8` from {fp8_from} GB"
-    last_fp8 = MEMORY_GB[MEMORY_GB.index(bf16_from) - 1]
-    span = f"{fp8_from}" if last_fp8 == fp8_from else f"{fp8_from}-{last_fp8}"
-    return f"`--quantize fp8` on {span} GB; none from {bf16_from} GB"
+def size_cell(sizes: ModelSizes, form: str) -> str:
+    size = sizes.forms[form]
+    gb = f"{size.weight_bytes / 1e9:.1f} GB"
+    return gb if form in ("bf16", "fp8") else f"{gb} ({size.bits_per_weight:.2f})"
 
 
-def table() -> str:
-    rows = [sizes(n) for n in available_presets() if n != "tiny-moe"]
-    header = ["preset (real shapes)", "model_type", "params", "bf16", "FP8", "KV / 1k tokens",
-              *(f"{gb} GB" for gb in MEMORY_GB), "recommended flags"]
+def size_table(found: list[tuple[str, ModelSizes]]) -> str:
+    header = ["preset (real shapes)", "model_type", "params", "bf16", "FP8", "int8 (bits/weight)",
+              "int4 (bits/weight)", "KV / 1k tokens", "recommended flags"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in sorted(rows, key=lambda r: r["bf16"]):
-        cells = [f"`{row['name']}`", f"`{row['model_type']}`", f"{row['params'] / 1e9:.1f}B",
-                 f"{row['bf16'] / 1e9:.1f} GB", f"{row['fp8'] / 1e9:.1f} GB",
-                 f"{row['kv_per_token'] * 1024 / 2**20:.0f} MiB", *(fitting(row, gb) for gb in MEMORY_GB), flags(row)]
+    for name, sizes in found:
+        cells = [f"`{name}`", f"`{sizes.model_type}`", f"{sizes.params / 1e9:.1f}B",
+                 *(size_cell(sizes, form) for form in sizes.forms), kv_mib_per_1k(sizes), flags(sizes)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def fit_table(found: list[tuple[str, ModelSizes]]) -> str:
+    header = ["Mac memory", *(f"`{name}`" for name, _ in found)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for gb in MAC_MEMORY_GB:
+        lines.append("| " + " | ".join([f"{gb} GB", *(best_form(sizes, gb) or "-" for _, sizes in found)]) + " |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print(table())
+    found = rows()
+    print(size_table(found))
+    print()
+    print(fit_table(found))

@@ -141,8 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=None,
                        help="seed of the random inputs, to replay a failure (default: a fresh one, printed)")
 
-    info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled",
-                          parents=common)
+    info = sub.add_parser("info", help="device, why MPS is or is not available, which fast paths are enabled; "
+                                       "with MODEL, its weight size in bf16, FP8, int8 and int4", parents=common)
+    info.add_argument("model", nargs="?", default=None,
+                      help="a local checkpoint folder or Hub repo id: print its resident weight size in each "
+                           "precision and the smallest Mac each fits, from config.json alone (a Hub model's "
+                           "config.json is fetched, or read from the cache; nothing else is downloaded) "
+                           "(default: none, the device report)")
     info.add_argument("--device", choices=DEVICES, default="auto", help="the device to probe (default: auto)")
     info.add_argument("--compile-probes", action="store_true",
                       help="also compile and check the compiled-only paths (flex decode attention); takes seconds "
@@ -175,6 +180,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        from server.engine.model_size import model_info
+
+        print("\n".join(model_info(args.model)))
+        return 0
     import torch
 
     from server.engine.device import mps_unavailable_reason, select_device

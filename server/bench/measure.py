@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from server.engine.weights import persistent_tensors
+from server.engine.weights import persistent_tensors, resident_bytes
 from server.kernels.compat import synchronize
 from server.models.affine_quant import AffineEmbedding
 
@@ -96,7 +96,7 @@ def weight_bytes(model: nn.Module) -> WeightBytes:
 
 
 def total_weight_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
+    return resident_bytes(model)
 
 
 def timed(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:

@@ -45,7 +45,7 @@ from server.engine.types import (
     StepFailedError,
     StreamDelta,
 )
-from server.engine.weights import bits_per_weight, persistent_tensors, resolve_model_path
+from server.engine.weights import bits_per_weight, resident_bytes, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,8 @@ class Engine:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all weights on the device: parameters and persistent buffers (FP8 weights and their
-        scales, expert biases), each shared tensor once; not derived tables such as RoPE frequencies."""
-        return sum(t.numel() * t.element_size() for t in persistent_tensors(self.model).values())
+        """Bytes of all weights on the device (engine/weights.resident_bytes)."""
+        return resident_bytes(self.model)
 
     @property
     def bits_per_weight(self) -> float:

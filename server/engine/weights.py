@@ -42,17 +42,20 @@ ROUTED = "routed experts"  # the fill key of a fused routed-experts tensor besid
 _EXPERT_RE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> Path:
-    """A local directory as is; otherwise a Hub repo id through huggingface_hub (cache, HF_HUB_OFFLINE)."""
+def resolve_model_path(model: str, revision: str | None = None, config_only: bool = False) -> Path:
+    """A local directory as is; otherwise a Hub repo id through huggingface_hub (cache, HF_HUB_OFFLINE): its
+    snapshot, or with `config_only` the snapshot folder holding just its config.json (nothing else fetched)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise ModelLoadError(f"model path {model!r} is not a directory with a Hugging Face checkpoint")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
+        if config_only:
+            return Path(hf_hub_download(model, "config.json", revision=revision)).parent
         return Path(snapshot_download(model, revision=revision, allow_patterns=HUB_PATTERNS))
     except HFValidationError:
         raise ModelLoadError(f"{model!r} is neither a local directory nor a valid Hub repo id") from None
@@ -62,7 +65,8 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
             "not possible (offline, or HF_HUB_OFFLINE=1). Pass a local checkpoint directory or go online."
         ) from None
     except Exception as exc:  # network / auth / missing repo: say which model and why
-        raise ModelLoadError(f"could not fetch {model!r} from the Hugging Face Hub: {exc}") from None
+        reason = next(iter(str(exc).strip().splitlines()), "") or type(exc).__name__
+        raise ModelLoadError(f"could not fetch {model!r} from the Hugging Face Hub: {reason}") from None
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -298,8 +302,7 @@ def empty_model(
         if layout is not None:
             raise ValueError("affine-quantized (int4 / int8, MLX) models are not split over processes yet")
         swap_to_affine(model, dtype, (affine_spec or recipe_spec(AFFINE_QUANTIZATIONS[quantization]))(model))
-        packed_bytes = sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
-        _refuse_past_memory(packed_bytes, device, "the model's quantized weights")
+        _refuse_past_memory(resident_bytes(model), device, "the model's quantized weights")
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}; use fp8, int8 or int4")
     model = model.to_empty(device=device)
@@ -421,6 +424,13 @@ def persistent_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(tensor))
             out[name] = tensor
     return out
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of all weights: parameters and persistent buffers (FP8 weights and their scales, packed affine
+    weights with their scales and biases, expert biases), each shared tensor once; not derived tables such as
+    RoPE frequencies. Works on the meta device."""
+    return sum(t.numel() * t.element_size() for t in persistent_tensors(model).values())
 
 
 def bits_per_weight(model: nn.Module) -> float:
