@@ -4,7 +4,11 @@ The inputs are drawn on the CPU from `seed` (reported, so a failure can be repla
 each twin runs on the CPU in float32 or float64, so a device op that is wrong shows even where the device's
 own basic ops are. Bounds are relative errors (norm of the difference over the norm of the reference): float32
 agrees to rounding, bf16/fp16 to a few parts in a thousand per op, FP8 against its twin (same quantized
-operands) to bf16 rounding, and where activations are quantized too, to the FP8 activation error.
+operands) to bf16 rounding, and where activations are quantized too, to the FP8 activation error. The affine
+int4 / int8 products (both forms the step plan picks: the reference of eager steps and the reduction of compiled
+one-token steps, run eagerly) against the twin of the same packed weights, dequantized in the model dtype as
+mx.dequantize does and multiplied in float64: the model dtype's bound, twice that for the experts (the reduction
+scales and offsets in float32 what the twin rounds to the model dtype, for each of the three projections).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from server.kernels import fp8, gated_delta, moe, moe_fp8, sampling
+from server.kernels import affine, fp8, gated_delta, moe, moe_fp8, sampling
 from server.kernels.capabilities import capabilities
 from server.kernels.flex_decode import decode_block_mask, flex_attention, flex_decode_attention
 from server.kernels.paged_attention import attention_reference, fresh_prefill_attention, gathered_decode_attention
@@ -63,6 +67,8 @@ def kernel_checks(device: torch.device, dtype: torch.dtype, seed: int) -> list[C
         ("gated_delta_step", lambda: check_gated_delta(device, dtype, Inputs(seed + 6), seq_len=1)),
         ("causal_conv1d", lambda: check_causal_conv(device, dtype, Inputs(seed + 7))),
         ("sampling", lambda: check_sampling(device, seed + 8)),
+        ("affine_linear", lambda: check_affine_linear(device, dtype, Inputs(seed + 10))),
+        ("affine_experts", lambda: check_affine_experts(device, dtype, Inputs(seed + 11))),
     ]
     return [attempt(SECTION, name, fn) for name, fn in checks]
 
@@ -97,6 +103,43 @@ def check_fp8_weight_only(device, dtype, inputs: Inputs) -> Check:
         ref = fp8.fp8_weight_only_reference(*(t.cpu() for t in (x, w_fp8, w_scale, bias)), torch.float32)
         errors.append(rel_err(out, ref))
     return bounded(SECTION, "fp8_weight_only", max(errors), FP8_TWIN_BOUND)
+
+
+AFFINE_LINEAR_FORMATS = ((64, 4), (128, 8), (32, 4))  # (group size, bits)
+
+
+def check_affine_linear(device, dtype, inputs: Inputs) -> Check:
+    """Packed int4 / int8 linears: each form on the device against the float64 twin of the same packed weight."""
+    errors = []
+    for group_size, bits in AFFINE_LINEAR_FORMATS:
+        packed = affine.quantize_affine(inputs.randn(96, 256, scale=256**-0.5).to(dtype), group_size, bits)
+        bias = inputs.randn(96).to(dtype)
+        for num_tokens in (1, 3):  # the reduction runs at one token in a compiled step; the math holds at any count
+            x = inputs.randn(num_tokens, 256).to(dtype)
+            ref = affine.affine_linear_reference(x.double(), *packed, group_size, bits, bias.double())
+            for form in affine.FORMS:
+                out = affine.affine_linear(x.to(device), *(t.to(device) for t in packed), group_size, bits,
+                                           bias.to(device), form)
+                errors.append(rel_err(out, ref))
+    return bounded(SECTION, "affine_linear", max(errors), model_dtype_bound(dtype))
+
+
+def check_affine_experts(device, dtype, inputs: Inputs) -> Check:
+    """Packed MoE experts (gate and up 4-bit in groups of 64, down 8-bit in groups of 32, as mixed recipes write
+    them): each form on the device against the float64 twin, at decode token counts."""
+    errors = []
+    for num_tokens in (1, 3):
+        x, weights, expert_ids, gate_up, down = (t.to(dtype) if t.is_floating_point() else t
+                                                 for t in _moe_case(inputs, num_tokens))
+        formats = ((64, 4), (32, 8))
+        packed = [affine.quantize_affine(w, *fmt) for w, fmt in zip((gate_up, down), formats, strict=True)]
+        ref = affine.affine_experts_reference(x.double(), weights.double(), expert_ids, *packed, *formats)
+        on_device = [tuple(t.to(device) for t in p) for p in packed]
+        for form in affine.FORMS:
+            out = affine.affine_experts(x.to(device), weights.to(device), expert_ids.to(device), *on_device,
+                                        *formats, form)
+            errors.append(rel_err(out, ref))
+    return bounded(SECTION, "affine_experts", max(errors), 2 * model_dtype_bound(dtype))
 
 
 def _moe_case(inputs: Inputs, num_tokens: int, num_experts=8, hidden=64, inter=32, top_k=2):

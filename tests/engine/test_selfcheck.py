@@ -15,7 +15,8 @@ from server.selfcheck import decode, kernel_pairs
 from server.selfcheck.results import FAIL, PASS, SKIP
 
 KERNEL_CHECKS = {"fp8_linear", "fp8_weight_only", "moe_experts", "moe_experts_fp8", "decode_attention_sdpa", "decode_attention_flex",
-                 "prefill_attention", "gated_delta_chunked", "gated_delta_step", "causal_conv1d", "sampling"}
+                 "prefill_attention", "gated_delta_chunked", "gated_delta_step", "causal_conv1d", "sampling",
+                 "affine_linear", "affine_experts"}
 
 
 def test_quick_selfcheck_on_cpu_writes_a_table_a_summary_and_json(tmp_path):
@@ -47,6 +48,23 @@ def test_quick_selfcheck_on_cpu_writes_a_table_a_summary_and_json(tmp_path):
     assert summary in done.stdout and "0 fail" in summary and torch.__version__ in summary
     for name in KERNEL_CHECKS:
         assert any(line.split()[:3] == ["kernels", name, PASS] for line in done.stdout.splitlines())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_affine_pairs_pass_and_catch_a_wrong_unpacking(monkeypatch, dtype):
+    """Both forms of the int4 / int8 products against the twin, for several seeds; reductions that drop the groups'
+    biases fail both pairs (the twin dequantizes on its own)."""
+    cpu = torch.device("cpu")
+    for seed in range(5):
+        checks = {c.name: c for c in kernel_pairs.kernel_checks(cpu, dtype, seed) if c.name.startswith("affine_")}
+        assert [c.status for c in checks.values()] == [PASS, PASS], checks
+    affine = kernel_pairs.affine
+    linear, slots = affine.affine_linear_reduction, affine._slot_reduction
+    monkeypatch.setattr(affine, "affine_linear_reduction",
+                        lambda x, q, scales, biases, *args: linear(x, q, scales, biases * 0, *args))
+    monkeypatch.setattr(affine, "_slot_reduction", lambda x, q, scales, biases, *args: slots(x, q, scales, biases * 0, *args))
+    checks = {c.name: c for c in kernel_pairs.kernel_checks(cpu, dtype, 0) if c.name.startswith("affine_")}
+    assert [c.status for c in checks.values()] == [FAIL, FAIL], checks
 
 
 def test_a_kernel_that_raises_or_is_wrong_is_a_fail_line(monkeypatch):
