@@ -227,6 +227,7 @@ def test_state_slots_snapshot_bookkeeping():
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
 def test_compiled_decode_step_matches_eager(hybrid_checkpoint):
     """The bucketed compiled decode step takes the rows' state slots; the padded 4th row uses the scratch slot."""
