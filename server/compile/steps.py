@@ -29,6 +29,7 @@ from server.compile.worker import (
 )
 from server.config import EngineConfig
 from server.engine.build import EngineParts
+from server.engine.device import serialized_device_work
 from server.engine.kv_manager import NullBlocks
 from server.engine.model_runner import ModelRunner
 from server.engine.request import Request
@@ -207,7 +208,8 @@ def run_to_completion(scheduler: Scheduler, runner: ModelRunner, prompts: list[l
                               max_total_tokens=len(prompt) + params.max_tokens))
     while scheduler.has_work:
         out = scheduler.schedule()
-        step = runner.launch(out)
-        scheduler.on_launched(out)
-        result = step.resolve()
+        with serialized_device_work(runner.device):  # takes turns with serving steps where the backend needs it
+            step = runner.launch(out)
+            scheduler.on_launched(out)
+            result = step.resolve()
         scheduler.on_resolved(out, {rid: token.token_id for rid, token in result.sampled.items()})
