@@ -42,7 +42,7 @@ def test_compiled_decode_matches_eager(arch, tiny_checkpoint):
     # and the ids it picks are what the next step is fed.
     penalized = SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=3.0, logprobs=2, ignore_eos=True)
     mixed = [penalized, params, SamplingParams(max_tokens=8, temperature=0.0, logit_bias={7: 5.0}, ignore_eos=True)]
-    want, got = ([e.make_request(p, m) for p, m in zip(prompts, mixed, strict=True)] for e in (eager, compiled))
+    want, got = ([e.inputs.make_request(p, m) for p, m in zip(prompts, mixed, strict=True)] for e in (eager, compiled))
     want, got = eager.run_to_completion(want), compiled.run_to_completion(got)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[0].token_ids != expected[0][:8]  # the penalty did change the greedy picks
