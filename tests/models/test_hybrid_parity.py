@@ -244,6 +244,7 @@ def test_compiled_decode_step_matches_eager(hybrid_checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 @pytest.mark.timeout(1800)  # ~7-11 min with an empty inductor cache on a 2-core CI machine (its compiles)
 @pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None, reason="inductor needs a C compiler")
 def test_compiled_prefill_matches_eager_and_warm_up_covers_its_shapes(hybrid_checkpoint):
