@@ -164,9 +164,15 @@ class AffineFusedExperts(_Packed):
         return self.packed(prefix), (fmt.group_size, fmt.bits)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        form = "reduction" if plan.affine_reduction else "reference"  # the reference syncs with the host
+        # The reference loops over the hit experts (host syncs): never in a compiled step, nor in an eager decode step
+        # (few tokens), where the sync-free reduction's per-slot temporaries stay small.
+        sync_free = plan.affine_reduction or x.shape[0] <= SYNC_FREE_MAX_TOKENS
+        form = "reduction" if sync_free else "reference"
         (gate_up, gate_up_format), (down, down_format) = self.part("gate_up_"), self.part("down_")
         return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form)
+
+
+SYNC_FREE_MAX_TOKENS = 16  # an eager step of at most this many tokens (decode) runs the experts without host syncs
 
 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
