@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.kernels import affine
+from server.kernels import affine, moe
 from server.kernels.plan import StepPlan
 from server.models.layers import FusedExperts, MergedLinear
 
@@ -164,15 +164,20 @@ class AffineFusedExperts(_Packed):
         return self.packed(prefix), (fmt.group_size, fmt.bits)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        # The reference loops over the hit experts (host syncs): never in a compiled step, nor in an eager decode step
-        # (few tokens), where the sync-free reduction's per-slot temporaries stay small.
-        sync_free = plan.affine_reduction or x.shape[0] <= SYNC_FREE_MAX_TOKENS
-        form = "reduction" if sync_free else "reference"
         (gate_up, gate_up_format), (down, down_format) = self.part("gate_up_"), self.part("down_")
-        return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form)
+        form = experts_form(plan, expert_ids, self.num_experts)
+        return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form, plan)
 
 
-SYNC_FREE_MAX_TOKENS = 16  # an eager step of at most this many tokens (decode) runs the experts without host syncs
+def experts_form(plan: StepPlan, expert_ids: torch.Tensor, num_experts: int) -> str:
+    """Decode-sized steps (few slots) read only the routed experts' packed rows in one reduction; larger ones
+    dequantize the stacks and run the model dtype's experts kernel (both sync-free). A compiled decoder layer
+    whose symbolic token count has few slots only at its smallest value takes the latter without a guard
+    (kernels/moe.few_slots_only_at_fewest)."""
+    num_tokens, top_k = expert_ids.shape
+    if plan.regions_compile_once and moe.few_slots_only_at_fewest(num_tokens, top_k, num_experts):
+        return "grouped"
+    return "reduction" if moe.few_slots(num_tokens * top_k, num_experts) else "grouped"
 
 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
@@ -267,7 +272,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def linear_form(x: torch.Tensor, plan: StepPlan | None) -> str:
-    """The product's form (kernels/affine.FORMS): one reduction over the packed weight for one token of a compiled
+    """The product's form (kernels/affine.LINEAR_FORMS): one reduction over the packed weight for one token of a compiled
     step, else the reference."""
     num_tokens = x.numel() // x.shape[-1]
     one_token = isinstance(num_tokens, int) and num_tokens == 1
