@@ -183,8 +183,18 @@ def experts_form(plan: StepPlan, expert_ids: torch.Tensor, num_experts: int) -> 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
     """Replace, in place (on the meta device), every linear, experts block and embedding whose checkpoint
     source(s) `spec` quantizes by its affine form. A fused linear's sources must share one format; experts take
-    one for gate and up and one for down (either may be None). A tied LM head follows the embedding."""
+    one for gate and up and one for down (either may be None). A tied LM head follows the embedding. Every
+    source's format is kept as `model.affine_layout`, from which `layout_spec` rebuilds the same model (the compile
+    child's twin)."""
     tied = model.lm_head.weight is model.model.embed_tokens.weight
+    model.affine_layout = layout = {}
+    given = spec
+
+    def spec(source: str, in_features: int) -> AffineFormat | None:
+        fmt = given(source, in_features)
+        layout[source] = None if fmt is None else [fmt.group_size, fmt.bits]
+        return fmt
+
     for name, module in list(model.named_modules()):
         if tied and name == "lm_head":
             continue
@@ -209,6 +219,15 @@ def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> Non
         _replace(model, name, new)
     if tied and isinstance(model.model.embed_tokens, AffineEmbedding):
         model.lm_head = AffineTiedHead(model.model.embed_tokens)
+
+
+def layout_spec(layout: dict[str, list[int] | None]) -> QuantSpec:
+    """The QuantSpec of a model's `affine_layout` (source name -> [group_size, bits], or None)."""
+    def spec(source: str, in_features: int) -> AffineFormat | None:
+        fmt = layout.get(source)
+        return None if fmt is None else AffineFormat(*fmt)
+
+    return spec
 
 
 def source_names(name: str, module: nn.Module) -> list[tuple[str, int]] | None:
