@@ -40,6 +40,7 @@ from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     EngineStats,
     FinishReason,
+    InfillPrompt,
     RequestOutput,
     SamplingParams,
     StepFailedError,
@@ -255,8 +256,8 @@ class Engine:
 
     # ---- convenience API ----------------------------------------------------------------------
     def generate(self, prompt, params: SamplingParams | None = None):
-        """One prompt (str or token ids) -> RequestOutput; a list of prompts -> a list, run as one batch."""
-        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], int))
+        """One prompt (str, token ids or an InfillPrompt) -> RequestOutput; a list of prompts -> a list, run as one batch."""
+        single = isinstance(prompt, str | InfillPrompt) or (len(prompt) > 0 and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
         params = params or SamplingParams()
         results = self.run_to_completion([self.inputs.make_request(p, replace(params)) for p in prompts])
