@@ -63,7 +63,10 @@ class OutputAssembler:
         """The delta of one new token: the text it completes, none of a possible stop string's start, all that
         was held back once the request finished."""
         state = self.live[request.request_id]
-        emit, stopped = state.stop.push(state.detokenizer.add([token.token_id]))
+        # a stop token's own text is not output (as vLLM): a non-special one (a FIM pad) would show as markup
+        hidden = (request.finish_reason == "stop" and token.token_id in request.stop_token_ids
+                  and not request.params.include_stop_str_in_output)
+        emit, stopped = state.stop.push(state.detokenizer.add([] if hidden else [token.token_id]))
         if stopped:
             self.finish(request, "stop")
         else:
