@@ -68,6 +68,11 @@ def _code(rng: random.Random) -> str:
     return random_text(rng, 40).replace("<|", "<")  # text, not markup
 
 
+def _stop_string(text: str) -> str:
+    """Two characters from inside `text` that are not blank: the answer up to their first occurrence is known."""
+    return next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip())
+
+
 def test_openai_suffix_reaches_the_engine_as_fim_layout_and_matches_transformers_greedy(fim: FimServer) -> None:
     rng = random.Random()
     prefix, suffix = _code(rng), _code(rng)
@@ -90,11 +95,11 @@ def test_stop_strings_and_fim_stop_tokens_end_the_middle(fim: FimServer) -> None
     rng = random.Random()
     prefix, suffix = _code(rng), _code(rng)
     client = fim.running.client()
-    full = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=16, temperature=0,
+    full = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=24, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
-    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip())
+    stop = _stop_string(full)
     for stream in (False, True):
-        got = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=16, temperature=0,
+        got = client.completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=24, temperature=0,
                                         stop=[stop], stream=stream, extra_body={"ignore_eos": True})
         chunks = list(got) if stream else [got]
         assert "".join(c.choices[0].text for c in chunks) == full[:full.index(stop)]
@@ -169,9 +174,9 @@ def test_infill_stops_on_the_budget_on_words_and_evaluates_only_with_n_predict_0
     body = {"input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 200, "temperature": 0, "ignore_eos": True}
     timed = fim.running.post("/infill", {**body, "t_max_predict_ms": 1}).json()
     assert timed["stop_type"] == "limit" and 1 <= timed["tokens_predicted"] < 200
-    full = fim.running.post("/infill", {**body, "n_predict": 12}).json()["content"]
-    stop = next(full[i:i + 2] for i in range(3, len(full) - 2) if full[i:i + 2].strip())
-    worded = fim.running.post("/infill", {**body, "n_predict": 12, "stop": [stop]}).json()
+    full = fim.running.post("/infill", {**body, "n_predict": 24}).json()["content"]
+    stop = _stop_string(full)
+    worded = fim.running.post("/infill", {**body, "n_predict": 24, "stop": [stop]}).json()
     assert (worded["content"], worded["stop_type"], worded["stopping_word"]) == (full[:full.index(stop)], "word", stop)
     warmed = fim.running.post("/infill", {**body, "n_predict": 0}).json()
     assert (warmed["content"], warmed["tokens_predicted"], warmed["stop_type"]) == ("", 0, "limit")
