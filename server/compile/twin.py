@@ -17,11 +17,11 @@ import time
 import torch
 from torch import nn
 
+from server.compile import knobs
 from server.compile.steps import build_steps
 from server.compile.worker import STAGE_LIST, filled_marker, saved_steps_dir, stages_to_fill
 from server.config import EngineConfig
 from server.engine.build import build_parts
-from server.kernels import compat
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
     config = EngineConfig(**spec["config"])
     torch.set_num_threads(spec["num_threads"])  # CPU kernels are generated for the thread count
     # As build_parts sets it in the serving process, but before the probes here: their compiles share its cache too.
-    compat.tune_generated_kernels(device, spec["fp8"])
+    knobs.tune_generated_kernels(device, spec["fp8"] or spec.get("affine_layout") is not None)
     # The probes run for real and first (cached per process): on fakes they would fail and pick other forms.
     capabilities(device)
     if device.type == "cuda":
