@@ -6,7 +6,8 @@ chat completions, with `disable_parallel_tool_use`; under "auto" the output stay
 enforced there. Thinking blocks sent back in history are rendered as the assistant's reasoning; their signatures
 are ignored. Without `thinking` the model does not think (the Messages API's default, whatever the template's);
 thinking with a forced tool is refused, as Anthropic does; `budget_tokens` is validated as Anthropic does (at
-least 1,024, under max_tokens) but not enforced: the reasoning is bounded by max_tokens only.
+least 1,024, under max_tokens) and enforced: after that many reasoning tokens the engine writes the template's
+`</think>` itself and the answer follows (SamplingParams.reasoning_budget).
 """
 
 from __future__ import annotations

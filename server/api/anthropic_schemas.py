@@ -137,8 +137,8 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
     def check_thinking(self) -> None:
-        """Anthropic's rules: budget_tokens at least 1,024 and under max_tokens (validated, not enforced: the
-        reasoning is cut by max_tokens only); no thinking while tool_choice forces a tool."""
+        """Anthropic's rules: budget_tokens at least 1,024 and under max_tokens; no thinking while tool_choice
+        forces a tool."""
         thinking = self.thinking
         if thinking is None or thinking.type == "disabled":
             return
@@ -158,7 +158,13 @@ class MessagesRequest(CountTokensRequest):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             stop=stop_strings(self.stop_sequences),
+            reasoning_budget=self._thinking_budget(),
         )
+
+    def _thinking_budget(self) -> int | None:
+        """The engine ends the reasoning by budget_tokens (when thinking is on and sets one)."""
+        thinking = self.thinking
+        return None if thinking is None or thinking.type == "disabled" else thinking.budget_tokens
 
     def constraint(self, prompt: str, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
         """tool_choice "any" / "tool" -> a call in the model's own format (one only for "tool" or with

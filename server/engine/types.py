@@ -70,6 +70,10 @@ class FinishReason(str, Enum):
     ERROR = "error"  # the structured output's grammar could not go on (StreamDelta.error says why)
 
 
+# The reasoning section's markers, as thinking chat templates write them (Qwen3, DeepSeek-R1)
+THINK_START = "<think>"
+THINK_END = "</think>"
+
 # JSON as models write it on one line: no whitespace choices to spend tokens on
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -118,6 +122,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output follows this grammar; compiled by the engine
+    reasoning_budget: int | None = None  # the reasoning ends by this many tokens: the engine then writes `</think>`
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(param: str, msg: str) -> None:
@@ -141,6 +146,9 @@ class SamplingParams:
                 bad(name, f"{name} must be in [-2, 2], got {value}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}.")
+        budget = self.reasoning_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            bad("reasoning_budget", f"reasoning_budget must be a positive number of tokens, got {budget!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"seed must be an integer, got {self.seed!r}.")
         for token_id, bias in (self.logit_bias or {}).items():
