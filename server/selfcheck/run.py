@@ -115,7 +115,7 @@ def run_selfcheck(device_name: str, quick: bool, seed: int, log=print) -> tuple[
                                    decode.Copy(speed_sizes.copy_mib, copy_gb_s))
     checks += fallback_checks(caps)
     system["seconds"] = round(time.perf_counter() - start, 1)
-    return system, caps.describe(), checks
+    return system, caps.describe(verbose=True), checks
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:
