@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
-from server.api.schemas import check_parameters, check_tool_name, stop_strings
+from server.api.schemas import MAX_TOOLS, Number, StrictInt, check_parameters, check_tool_name, stop_strings
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
 
@@ -77,14 +77,14 @@ class ToolChoice(_Lenient):
 
 class Thinking(_Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: StrictInt | None = None
 
 
 class CountTokensRequest(_Lenient):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
@@ -129,11 +129,11 @@ class CountTokensRequest(_Lenient):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: Number | None = Field(None, ge=0, le=1)
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
     stream: bool = False
 
     def check_thinking(self) -> None:

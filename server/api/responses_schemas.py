@@ -16,9 +16,12 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from server.api.errors import APIError, validation_error, with_param_names
 from server.api.messages import template_tool_call, text_content
 from server.api.schemas import (
+    MAX_TOOLS,
     FunctionCall,
     JsonSchemaFormat,
+    Number,
     ResponseFormat,
+    StrictInt,
     ToolCall,
     check_parameters,
     check_tool_name,
@@ -111,11 +114,11 @@ class ResponsesRequest(_Lenient):
     model: str | None = None
     input: list[InputItem]  # a string is one user message
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None  # checked by tools_for_template, to name it in one error
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
