@@ -285,3 +285,23 @@ def test_up_to_the_caps_is_served(srv: RunningServer, body) -> None:
     """At the caps is fine; a max_tokens past the context is an integer, served up to the context (length)."""
     response = srv.post("/v1/chat/completions", body)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+])
+def test_responses_refuses_what_needs_a_stored_response_or_cannot_be_included(srv: RunningServer, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.client().responses.create(model="m", input="q", **extra)
+    assert refused.value.body["param"] == param
+
+
+@pytest.mark.parametrize("extra", [{"store": True}, {"store": False}, {"background": False},
+                                   {"include": ["reasoning.encrypted_content"]}])
+def test_responses_accepts_what_it_honours_and_says_nothing_is_stored(srv: RunningServer, extra) -> None:
+    srv.engine.script = Script(pieces=["fine"])
+    out = srv.client().responses.create(model="m", input="q", **extra)
+    assert out.output_text == "fine" and out.store is False
