@@ -23,7 +23,7 @@ from server.api.agent_turn import render_prompt, start_turn
 from server.api.anthropic_output import collect_message, error_response, new_message_id, stream_messages
 from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.api.errors import from_engine_error
-from server.api.routes import parse_body, read_json, respond, validate_params
+from server.api.routes import off_loop_for_body, parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
 
 
@@ -57,8 +57,9 @@ async def messages(request: Request) -> Response:
     params = req.to_sampling_params()
     validate_params(params, {"stop": "stop_sequences"})
     tools = req.tools_for_template()
-    prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
-    params.structured = req.constraint(prompt, tools)
+    prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(), tools,
+                                     req.template_kwargs())
+    params.structured = await off_loop_for_body(request, req.constraint, prompt, tools)
     ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_message_id(), started_at=started_at,
                            prompt_param="messages")
     return await respond(request, state, ctx, req.stream, stream_messages, collect_message)
@@ -69,5 +70,6 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state: ServingState = request.app.state.serving
     engine = state.ready_engine()
     req: CountTokensRequest = parse_body(CountTokensRequest, await read_json(request, state.config.max_request_body_bytes))
-    prompt = render_prompt(engine, req.template_messages(), req.tools_for_template(), req.template_kwargs())
+    prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(),
+                                     req.tools_for_template(), req.template_kwargs())
     return {"input_tokens": engine.count_tokens(prompt)}
