@@ -135,7 +135,7 @@ class SamplingParams:
             raise InvalidRequestError(msg, param=param)
 
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be an integer of at least 1, got {self.max_tokens!r}.")
+            bad("max_tokens", f"max_tokens must be at least 1 (an integer), got {self.max_tokens!r}.")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
