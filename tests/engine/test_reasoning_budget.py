@@ -97,3 +97,22 @@ def test_a_marker_the_model_writes_itself_ends_the_budget() -> None:
     for token in (1, 91):
         budget.advance(token)
     assert budget.forced_token(5) is None and not budget.thinking
+
+
+@pytest.mark.compile
+def test_the_compiled_greedy_step_forces_the_marker_as_eager_does(engine: Engine) -> None:
+    """A plain greedy batch takes the compiled step's in-graph argmax; a row whose budget is spent leaves it for the
+    sampler, which takes the mask."""
+    compiled = Engine.from_pretrained("demo", device="cpu", compile="on")
+    assert compiled.runner.decode_graphs is not None
+    (end,) = _ids(engine, "</think>")
+    prompts = [_prompt(engine, f"question {i}", opened=True) for i in range(3)]
+    budgets = [4, None, 9]
+
+    def run(on: Engine):
+        params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, reasoning_budget=b) for b in budgets]
+        return [o.token_ids for o in _run(on, list(zip(prompts, params, strict=True)))]
+
+    want = run(engine)
+    assert want[0].index(end) <= 4 and want[2].index(end) <= 9  # ended by the budget at the latest
+    assert run(compiled) == want
