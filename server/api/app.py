@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from server.api import anthropic_output, anthropic_routes, embeddings, responses_routes
+from server.api import anthropic_output, anthropic_routes, embeddings, infill, responses_routes
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.openapi import install_openapi
@@ -48,6 +48,7 @@ def create_app(
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(embeddings.router)
+    app.include_router(infill.router)
     app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
     # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry
     # CORS headers and preflights pass), then status counting, then the unversioned paths' rewrite around

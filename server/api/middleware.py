@@ -14,7 +14,8 @@ from server.api.errors import APIError
 from server.api.metrics import Metrics
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-             "/v1/models", "/health", "/metrics")
+             "/v1/models", "/infill", "/health", "/metrics")
+PROTECTED = ("/v1", "/infill")  # what --api-key guards
 
 
 # Clients configured with the server's root as their base URL (no /v1) send these paths.
@@ -36,15 +37,15 @@ class UnversionedPathMiddleware:
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/*, compared in constant time;
-    /health and /metrics stay open."""
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/* and /infill, compared in
+    constant time; /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
             headers = Headers(scope=scope)
             error = self._check(headers.get("authorization"), headers.get("x-api-key"))
             if error is not None:

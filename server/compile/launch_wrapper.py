@@ -20,7 +20,7 @@ import torch
 
 from server.compile.background import describe_failure
 from server.compile.saved import DynamicDims, SavedCompile
-from server.kernels import compat
+from server.compile import knobs
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class LaunchCompiled:
         self._python_form = SavedCompile(python_fn, name, dims, **compile_kwargs)
         self._cpp_form = None
         if cpp_fn is not None:
-            self._cpp_form = SavedCompile(cpp_fn, f"{name} (C++ wrapper)", dims, **compat.cpp_wrapper_compile_kwargs(),
+            self._cpp_form = SavedCompile(cpp_fn, f"{name} (C++ wrapper)", dims, **knobs.cpp_wrapper_compile_kwargs(),
                                           **compile_kwargs)
         self.compiled = self._cpp_form or self._python_form
         self._lock = threading.Lock()  # a serving thread and a background compile may both fail at once

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import torch
 
+from server.compile import knobs
 from server.compile.background import BackgroundCompile, describe_failure, run_stage
 from server.compile.decode_graphs import DecodeGraphs, use_flex_at_batch_1
 from server.compile.policy import compiles_decode, wants_compiled_prefill
@@ -35,7 +36,6 @@ from server.engine.model_runner import ModelRunner
 from server.engine.request import Request
 from server.engine.scheduler import Scheduler
 from server.engine.steps import EagerSteps, Steps
-from server.kernels import compat
 from server.kernels.capabilities import REPORT_HINT
 from server.models.regions import compiled_layer_regions
 from server.models.tracing_shield import shield_from_tracing
@@ -54,6 +54,7 @@ def build_steps(model, config: EngineConfig, parts: EngineParts, device: torch.d
     """The engine's steps: EagerSteps where nothing compiles, else CompiledSteps. `early`: the compile child
     started while the weights loaded; `serving`: the compiled decode step is saved whole as it is traced, and
     loaded from there at a restart (compile.saved: no trace at a warm start)."""
+    knobs.tune_generated_kernels(device, knobs.has_packed_weights(model))
     decode = compiles_decode(config, device)
     prefill = wants_compiled_prefill(config, device, decode, parts.state_cache is not None)
     if not decode and not prefill:
@@ -164,7 +165,7 @@ class CompiledSteps:
         elif not cached:
             child = start_compile_child(spec, [what for what, _ in stages])
         self.background = BackgroundCompile(stages, str(self.device), child)
-        compat.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
+        knobs.run_compiled_calls_during_fx_tracing()  # the steps compiled so far serve beside the compile
         self.background.start()
         return self.background
 

@@ -19,7 +19,6 @@ from server.engine.scheduler import Scheduler
 from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
-from server.kernels import compat, fp8
 from server.kernels.plan import StepPlans, step_plans
 from server.models.parallel import Layout
 
@@ -73,7 +72,6 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
                 num_kv_blocks: int | None = None) -> EngineParts:
     """`num_kv_blocks`: the paged KV's usable blocks, planned already (`plan_num_kv_blocks`, before the weights
     streamed in); `agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold."""
-    compat.tune_generated_kernels(device, fp8.has_fp8_linears(model))
     if num_kv_blocks is None:
         num_kv_blocks = plan_num_kv_blocks(model, config, device, dtype, max_model_len)
     if agree_num_blocks is not None:

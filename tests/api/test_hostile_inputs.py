@@ -239,6 +239,9 @@ def _refused(srv: RunningServer, path: str, body: dict, param: str) -> str:
     ("/v1/responses", RESPONSES, "max_output_tokens", True),
     ("/v1/responses", RESPONSES, "max_output_tokens", 1e30),
     ("/v1/responses", RESPONSES, "temperature", False),
+    ("/infill", {"input_prefix": "a"}, "n_predict", True),
+    ("/infill", {"input_prefix": "a"}, "t_max_predict_ms", True),
+    ("/v1/completions", {"prompt": "hi"}, "t_max_predict_ms", True),
 ])
 def test_booleans_strings_and_fractions_are_not_integers(srv: RunningServer, path, base, field, value) -> None:
     message = _refused(srv, path, {**base, field: value}, field)

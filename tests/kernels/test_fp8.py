@@ -222,22 +222,3 @@ def test_fp8_experts_compile_fullgraph_decode_shape():
     weights, expert_ids = moe.route_softmax(logits, 2, True, step_plan(CPU, torch.bfloat16))
     ref = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     assert _rel_err(out, ref) < 1e-2
-
-
-def test_cuda_compiles_tune_block_sizes_for_models_with_fp8_linears_only():
-    """Inductor's coordinate descent tuning: on for CUDA compiles of a model with FP8 linears, off for one without,
-    untouched on other devices (their kernels have no such tuner)."""
-    import torch._inductor.config as inductor_config
-
-    from server.kernels import compat
-
-    fp8_model = torch.nn.Sequential(fp8.Fp8Linear(16, 8), torch.nn.Linear(8, 8))
-    bf16_model = torch.nn.Sequential(torch.nn.Linear(16, 8))
-    assert fp8.has_fp8_linears(fp8_model) and not fp8.has_fp8_linears(bf16_model)
-    with inductor_config.patch(coordinate_descent_tuning=False):  # restores the setting after (monkeypatch hides it)
-        compat.tune_generated_kernels(torch.device("cpu"), True)
-        assert inductor_config.coordinate_descent_tuning is False
-        compat.tune_generated_kernels(torch.device("cuda"), fp8.has_fp8_linears(fp8_model))
-        assert inductor_config.coordinate_descent_tuning is True
-        compat.tune_generated_kernels(torch.device("cuda"), fp8.has_fp8_linears(bf16_model))
-        assert inductor_config.coordinate_descent_tuning is False
