@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "config.json is fetched, or read from the cache; nothing else is downloaded) "
                            "(default: none, the device report)")
     info.add_argument("--device", choices=DEVICES, default="auto", help="the device to probe (default: auto)")
+    info.add_argument("--verbose", action="store_true",
+                      help="show each failed probe's exception, not only its short reason (default: off)")
     info.add_argument("--compile-probes", action="store_true",
                       help="also compile and check the compiled-only paths (flex decode attention); takes seconds "
                            "to a minute (default: off)")
@@ -200,7 +202,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     except ImportError:
         return 0
     print("fast paths:")
-    for line in capabilities(device).describe():
+    for line in capabilities(device).describe(verbose=args.verbose):
         print(readable(f"  {line}"))
     if args.compile_probes:  # these compile on the device, so they take seconds to a minute
         from server.engine.device import select_dtype

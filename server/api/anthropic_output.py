@@ -40,7 +40,10 @@ def new_message_id() -> str:
 
 def error_body(err: APIError) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": error_type, "message": err.message}}
+    message = err.message
+    if err.param and err.param not in message:  # Anthropic's shape has no param: its messages lead with the field
+        message = f"{err.param}: {message}"
+    return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def error_response(err: APIError) -> JSONResponse:

@@ -6,7 +6,8 @@ chat completions, with `disable_parallel_tool_use`; under "auto" the output stay
 enforced there. Thinking blocks sent back in history are rendered as the assistant's reasoning; their signatures
 are ignored. Without `thinking` the model does not think (the Messages API's default, whatever the template's);
 thinking with a forced tool is refused, as Anthropic does; `budget_tokens` is validated as Anthropic does (at
-least 1,024, under max_tokens) but not enforced: the reasoning is bounded by max_tokens only.
+least 1,024, under max_tokens) and enforced: after that many reasoning tokens the engine writes the template's
+`</think>` itself and the answer follows (SamplingParams.reasoning_budget).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from server.api.agent_turn import render_prompt, start_turn
 from server.api.anthropic_output import collect_message, error_response, new_message_id, stream_messages
 from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
 from server.api.errors import from_engine_error
-from server.api.routes import parse_body, read_json, respond, validate_params
+from server.api.routes import off_loop_for_body, parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
 
 
@@ -56,8 +57,9 @@ async def messages(request: Request) -> Response:
     params = req.to_sampling_params()
     validate_params(params, {"stop": "stop_sequences"})
     tools = req.tools_for_template()
-    prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
-    params.structured = req.constraint(prompt, tools)
+    prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(), tools,
+                                     req.template_kwargs())
+    params.structured = await off_loop_for_body(request, req.constraint, prompt, tools)
     ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_message_id(), started_at=started_at,
                            prompt_param="messages")
     return await respond(request, state, ctx, req.stream, stream_messages, collect_message)
@@ -68,5 +70,6 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state: ServingState = request.app.state.serving
     engine = state.ready_engine()
     req: CountTokensRequest = parse_body(CountTokensRequest, await read_json(request, state.config.max_request_body_bytes))
-    prompt = render_prompt(engine, req.template_messages(), req.tools_for_template(), req.template_kwargs())
+    prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(),
+                                     req.tools_for_template(), req.template_kwargs())
     return {"input_tokens": engine.count_tokens(prompt)}

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
-from server.api.schemas import check_parameters, check_tool_name, stop_strings
+from server.api.schemas import MAX_TOOLS, Number, StrictInt, check_parameters, check_tool_name, stop_strings
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
 
@@ -77,14 +77,14 @@ class ToolChoice(_Lenient):
 
 class Thinking(_Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: StrictInt | None = None
 
 
 class CountTokensRequest(_Lenient):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
@@ -129,16 +129,16 @@ class CountTokensRequest(_Lenient):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    max_tokens: StrictInt = Field(ge=1)
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(None, ge=0, le=1)
-    top_p: float | None = None
-    top_k: int | None = None
+    temperature: Number | None = Field(None, ge=0, le=1)
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
     stream: bool = False
 
     def check_thinking(self) -> None:
-        """Anthropic's rules: budget_tokens at least 1,024 and under max_tokens (validated, not enforced: the
-        reasoning is cut by max_tokens only); no thinking while tool_choice forces a tool."""
+        """Anthropic's rules: budget_tokens at least 1,024 and under max_tokens; no thinking while tool_choice
+        forces a tool."""
         thinking = self.thinking
         if thinking is None or thinking.type == "disabled":
             return
@@ -158,7 +158,13 @@ class MessagesRequest(CountTokensRequest):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             stop=stop_strings(self.stop_sequences),
+            reasoning_budget=self._thinking_budget(),
         )
+
+    def _thinking_budget(self) -> int | None:
+        """The engine ends the reasoning by budget_tokens (when thinking is on and sets one)."""
+        thinking = self.thinking
+        return None if thinking is None or thinking.type == "disabled" else thinking.budget_tokens
 
     def constraint(self, prompt: str, tools: list[dict[str, Any]] | None) -> StructuredOutput | None:
         """tool_choice "any" / "tool" -> a call in the model's own format (one only for "tool" or with

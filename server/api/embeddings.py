@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError, from_engine_error
 from server.api.routes import parse_body, read_json
+from server.api.schemas import StrictInt
 from server.api.state import ServingState
 
 MAX_INPUTS = 2048  # OpenAI's limit on inputs per request
@@ -26,7 +27,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     input: Any  # checked by prompts(), so that any wrong shape is one error naming `input`
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: StrictInt | None = Field(None, ge=1)
     user: str | None = None
 
     def prompts(self) -> list[str | list[int]]:

@@ -118,9 +118,12 @@ def validation_error(exc: ValidationError | RequestValidationError, prefix: str 
     return APIError(400, "Invalid request: " + "; ".join(parts) + more, param=first_param, code="invalid_value")
 
 
+_PLAIN_TYPES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _is_tag(part: Any) -> bool:
-    """A union member's name in pydantic's error path ("function-after[...]", "MessageItem"), not a field."""
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part)
+    """A union member's name in pydantic's error path ("function-after[...]", "MessageItem", "str"), not a field."""
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or "-" in part or part in _PLAIN_TYPES)
 
 
 def _readable(err: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from server.api.generation import KEEPALIVE
 from server.api.routes import keepalive_s, parse_body, read_json, respond, start_generation, validate_params
-from server.api.schemas import stop_strings, time_budget
+from server.api.schemas import Number, StrictInt, stop_strings, time_budget
 from server.api.sse import KEEPALIVE_COMMENT, sse_data
 from server.api.state import ServingState
 from server.api.streaming import ResponseContext, deltas
@@ -47,18 +47,18 @@ class InfillRequest(_Lenient):
     input_suffix: str = ""
     input_extra: list[InfillChunk] = []
     prompt: str = ""
-    n_predict: int = -1  # -1: up to the context; 0: evaluate the prompt only
+    n_predict: StrictInt = -1  # -1: up to the context; 0: evaluate the prompt only
     stream: bool = False
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
+    temperature: Number = 0.8
+    top_k: StrictInt = 40
+    top_p: Number = 0.95
+    min_p: Number = 0.05
     stop: list[str] = []
-    seed: int = -1
-    t_max_predict_ms: float = 0
-    repeat_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: StrictInt = -1
+    t_max_predict_ms: Number = 0
+    repeat_penalty: Number = 1.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
     ignore_eos: bool = False
     return_tokens: bool = False
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-THINK_START = "<think>"
-THINK_END = "</think>"
+from server.engine.types import THINK_END, THINK_START
 
 
 def partial_marker_len(text: str, markers: Sequence[str]) -> int:

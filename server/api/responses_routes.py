@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request, Response
 from server.api.agent_turn import render_prompt, start_turn
 from server.api.responses_output import collect_response, new_response_id, stream_response
 from server.api.responses_schemas import ResponsesRequest
-from server.api.routes import parse_body, read_json, respond, validate_params
+from server.api.routes import off_loop_for_body, parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
 
 router = APIRouter()
@@ -49,8 +49,9 @@ async def responses(request: Request) -> Response:
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     validate_params(params, {"max_tokens": "max_output_tokens"})
     tools = req.tools_for_template()
-    prompt = render_prompt(engine, req.template_messages(), tools, req.template_kwargs())
-    params.structured = req.constraint(prompt, tools)
+    prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(), tools,
+                                     req.template_kwargs())
+    params.structured = await off_loop_for_body(request, req.constraint, prompt, tools)
     ctx = await start_turn(state, engine, prompt, params, tools, request_id=new_response_id(), started_at=started_at,
                            prompt_param="input")
     echo = _echo(req, tools, params.max_tokens)

@@ -16,15 +16,22 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from server.api.errors import APIError, validation_error, with_param_names
 from server.api.messages import template_tool_call, text_content
 from server.api.schemas import (
+    MAX_TOOLS,
     FunctionCall,
     JsonSchemaFormat,
+    Number,
     ResponseFormat,
+    StrictInt,
     ToolCall,
     check_parameters,
     check_tool_name,
 )
 from server.api.structured import turn_constraint
 from server.engine.types import SamplingParams, StructuredOutput
+
+
+# reasoning items come back with their text in plain `content`, which is what a client sends back in the next turn
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
 
 class _Lenient(BaseModel):
@@ -111,13 +118,15 @@ class ResponsesRequest(_Lenient):
     model: str | None = None
     input: list[InputItem]  # a string is one user message
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None  # checked by tools_for_template, to name it in one error
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = None
-    top_p: float | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
     stream: bool = False
-    store: bool | None = None
+    store: bool | None = None  # accepted either way: nothing is stored, and the response says `store: false`
+    background: bool | None = None
+    include: list[str] | None = None
     previous_response_id: str | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
@@ -130,9 +139,18 @@ class ResponsesRequest(_Lenient):
         return [{"role": "user", "content": value}] if isinstance(value, str) else value
 
     def check_stateless(self) -> None:
+        """What needs a stored response is refused, naming the field; so are `include` values it cannot give."""
         if self.previous_response_id is not None:
             raise APIError(400, "previous_response_id is not supported: this server keeps no responses. Send the "
                            "whole conversation in `input` (store=false semantics).", param="previous_response_id")
+        if self.background:
+            raise APIError(400, "background is not supported: this server keeps no responses to retrieve later. Send "
+                           "the request without it (stream it to see a long answer as it comes).", param="background")
+        for value in self.include or []:
+            if value not in INCLUDABLE:
+                raise APIError(400, f"include value {value!r} is not supported; the accepted one is "
+                               "\"reasoning.encrypted_content\" (reasoning items carry their text unencrypted).",
+                               param="include")
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(

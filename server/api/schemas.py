@@ -9,14 +9,19 @@ stop_token_ids, include_stop_str_in_output, chat_template_kwargs.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
 from server.api.errors import APIError
 from server.engine.types import InfillPrompt, SamplingParams
 
 MAX_CHOICES = 64  # n x prompts per request; each choice is one engine request
+MAX_TOOLS = 128  # tools per request, as OpenAI allows; each adds to the prompt and to a forced call's grammar
+
+# Numbers as JSON numbers only: `true`, "5" and 5.0 for an integer are 400s, as at OpenAI (not 1, 5 and 5)
+StrictInt = Annotated[int, Strict()]
+Number = Annotated[float, Strict()]  # an integer is a number too
 
 
 class _Lenient(BaseModel):
@@ -88,23 +93,23 @@ class _SamplingRequest(_Lenient):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: StrictInt = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    logit_bias: dict[str, Number] | None = None
+    seed: StrictInt | None = None
     user: str | None = None
     # extras (vLLM names)
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
 
@@ -134,11 +139,11 @@ class _SamplingRequest(_Lenient):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # Zed sends only this one
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None  # Zed sends only this one
     logprobs: bool = False
-    top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -183,13 +188,13 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for legacy completions
-    logprobs: int | None = None
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # OpenAI's default for legacy completions
+    logprobs: StrictInt | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    t_max_predict_ms: float | None = None  # llama.cpp's name: the generation's time budget, 0 or none for none
+    best_of: StrictInt | None = None
+    t_max_predict_ms: Number | None = None  # llama.cpp's name: the generation's time budget, 0 or none for none
 
     def prompts(self) -> list[str | list[int] | InfillPrompt]:
         """The prompts to complete; with a non-empty suffix, fill-in-the-middle prompts (text only)."""

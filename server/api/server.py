@@ -1,7 +1,8 @@
 """run_server(config, engine_factory) -> exit code: uvicorn with a model that loads after the socket is up.
 
 Order: bind the socket (/health answers 503) -> build the engine in a background thread -> start its loop on the
-server's event loop -> /health 200. SIGINT/SIGTERM: stop accepting, let in-flight requests finish; after the
+server's event loop -> /health 200, and "Application startup complete" is logged (uvicorn's own line, logged once
+the socket is up, is left out); a load failure is instead one error line, and the exit status 1. SIGINT/SIGTERM: stop accepting, let in-flight requests finish; after the
 grace period abort the rest (their clients get a shutdown error event), shut the engine down, return 0.
 A second SIGINT forces the exit.
 """
@@ -58,7 +59,9 @@ class _Server(uvicorn.Server):
 
     async def shutdown(self, sockets: list | None = None) -> None:
         self._state.draining = True
-        logger.info("shutting down: %d request(s) in flight, grace period %.0fs", len(self._state.active), self._grace_s)
+        if self._state.engine is not None:  # else nothing was served (the model did not load)
+            logger.info("shutting down: %d request(s) in flight, grace period %.0fs", len(self._state.active),
+                        self._grace_s)
         aborter = asyncio.create_task(self._abort_after_grace())
         try:
             await super().shutdown(sockets=sockets)
@@ -93,14 +96,18 @@ def run_server(
     state = serving_state(app)
     failures: list[BaseException] = []
 
+    startup_log = _StartupLog()
+
     def load_engine(loop: asyncio.AbstractEventLoop) -> None:
         try:
             engine = engine_factory()
             if server.should_exit:
                 return  # asked to stop while loading: nothing was started
             asyncio.run_coroutine_threadsafe(state.attach(engine), loop).result()
+            logger.info("Application startup complete: the model is loaded and serving.")
         except Exception as exc:
-            logger.error("could not start the engine: %s: %s", type(exc).__name__, exc)
+            startup_log.failed = True
+            logger.error("could not load the model: %s", _one_line(exc))
             failures.append(exc)
             server.should_exit = True
 
@@ -109,8 +116,32 @@ def run_server(
 
     uv_config = uvicorn_config(app, config.server, timeout_graceful_shutdown=grace_s + _BACKSTOP_S)
     server = _Server(uv_config, state, grace_s, start_loading)
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(startup_log)
     try:
         server.run()
     except SystemExit as exc:  # uvicorn exits this way when the port cannot be bound
         return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        uvicorn_log.removeFilter(startup_log)
     return 1 if failures or not server.started else 0
+
+
+class _StartupLog(logging.Filter):
+    """uvicorn says "Application startup complete" once the socket is up, before the model loads (/health answers 503
+    meanwhile): run_server says it once the model serves instead. After a load failure uvicorn's shutdown lines are
+    left out, so that the error is the last line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.getMessage().startswith("Application startup complete"):
+            return False
+        return not (self.failed and record.levelno < logging.WARNING)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

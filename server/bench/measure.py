@@ -157,6 +157,9 @@ def profile_kernels(fn: Callable[[], object], device: torch.device) -> KernelPro
     cuda = device.type == "cuda"
     if cuda:
         _detach_cupti_after_profiling()
+    # kineto prints its start/stop trace points ("USDT: ... profiler_start") at every level below 6; read at the
+    # profiler's first start
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities) as prof:
         fn()

@@ -56,6 +56,7 @@ class BenchOptions:
     reps: int = 3
     seed: int = 0
     copy_mib: int | None = None  # None: a size per device type
+    copy_gb_s: float | None = None  # the caller's measured copy bandwidth (selfcheck's), used rather than measured again
     config_file: str | None = None
     tensor_parallel: int | None = None
     pipeline_parallel: int | None = None

@@ -65,13 +65,16 @@ def run_bench(opts: BenchOptions) -> list[dict[str, Any]]:
     vocab_size = int(target.hf_config["vocab_size"])
     prompts = {b: random_prompts(b, prompt_len, vocab_size, opts.seed + b) for b in batch_sizes}
     copy_mib = opts.copy_mib or COPY_MIB.get(device.type, 256)
-    copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
-    release(device)  # hand the copy buffers back before the model is built
+    copy_gb_s = opts.copy_gb_s
+    if copy_gb_s is None:
+        copy_gb_s = measure.copy_bandwidth_gb_s(device, copy_mib << 20)
+        release(device)  # hand the copy buffers back before the model is built
     calls_per_side = len(batch_sizes) * (1 + 3 * opts.reps)
     sides = len(opts.quantize) * len(opts.graphs) + (1 if opts.compare else 0)
     ours: dict[tuple[str, bool | None], tuple[measure.Series, Any, dict]] = {}
     with tqdm(total=calls_per_side * sides, desc="bench", unit="call", file=sys.stderr, disable=None) as progress:
-        progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
+        if opts.copy_gb_s is None:
+            progress.write(f"device copy bandwidth: {copy_gb_s:.0f} GB/s ({copy_mib} MiB buffers)")
         for quantize in opts.quantize:
             for graphs in opts.graphs:
                 ours[quantize, graphs] = measure_ours(opts, quantize, graphs, target, device, dtype, prompts,

@@ -38,7 +38,7 @@ class CompiledRunner(ModelRunner):
         if not self._is_plain_decode(chunks):
             return super()._forward(step, rows, prev)
         logits = self._decode(chunks, prev)
-        constrained = any(c.request.grammar is not None for c in chunks)
+        constrained = any(c.request.may_mask(c.request.num_output_tokens) for c in chunks)  # sampled under a mask
         if not constrained and sampling.is_plain_greedy(rows):  # the in-graph argmax is the sample
             step.token_ids = self.decode_graphs.last_token_ids[: len(chunks)]
         return logits

@@ -29,6 +29,7 @@ from server.config import EngineConfig
 from server.engine.build import EngineParts, build_parts, load_pretrained
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, embed, read_pooling
+from server.engine.grammar import only_token
 from server.engine.inputs import Inputs
 from server.engine.model_runner import InFlightStep, ModelRunner
 from server.engine.outputs import OutputAssembler, final_output, stream_delta
@@ -189,14 +190,28 @@ class Engine:
         self.scheduler.on_launched(out)
         sample_chunks = queued.step.sample_chunks
         token_bitmask, prev_done = None, False
-        if sample_chunks and any(c.request.grammar is not None for c in out.chunks):
-            if prev is not None:  # its ids advance the matchers this step's masks come from
+        # the placeholder of the token sampled now is in token_ids already (on_launched)
+        if any(c.request.may_mask(c.request.num_output_tokens - 1) for c in sample_chunks):
+            if prev is not None:  # its ids advance the matchers and budgets this step's masks come from
                 deltas.extend(self._complete(prev))
             prev_done = True
-            live = [None if c.request.is_finished else c.request.grammar for c in sample_chunks]
-            token_bitmask = torch.from_numpy(self.inputs.grammars.bitmask(live))
+            token_bitmask = self._token_bitmask(sample_chunks)
         launched = self.steps.run(lambda runner: runner.sample(queued, token_bitmask))
         return launched, prev_done
+
+    def _token_bitmask(self, sample_chunks) -> torch.Tensor | None:
+        """The rows' grammar masks, where a spent reasoning budget forces its marker's next token (unless the grammar
+        refuses it); None when no row is constrained any more."""
+        live = [None if c.request.is_finished else c.request.grammar for c in sample_chunks]
+        forced = [None if c.request.is_finished or c.request.reasoning is None
+                  else c.request.reasoning.forced_token(c.request.num_output_tokens - 1) for c in sample_chunks]
+        if all(g is None for g in live) and all(f is None for f in forced):
+            return None
+        mask = self.inputs.grammars.bitmask(live)
+        for row, token_id in enumerate(forced):
+            if token_id is not None:
+                only_token(mask[row], token_id)
+        return torch.from_numpy(mask)
 
     def _abandon_step(self, out: SchedulerOutput, exc: Exception) -> StepFailedError:
         """A step raised: end the requests it held and those of the step still in flight (their tokens are lost),
@@ -227,6 +242,8 @@ class Engine:
         self._num_generated_tokens += len(sampled)
         deltas = []
         for request, token_id in self.scheduler.on_resolved(step.out, sampled):
+            if request.reasoning is not None:
+                request.reasoning.advance(token_id)
             if request.grammar is not None and not request.is_finished and request.grammar.advance(token_id):
                 self._finish_grammar(request)
             deltas.append(self.outputs.on_token(request, result.sampled[request.request_id]))

@@ -157,6 +157,14 @@ class Grammars:
         return token_id if self._llguidance_tokenizer().is_special_token(token_id) else None
 
 
+def only_token(row: np.ndarray, token_id: int) -> None:
+    """Narrow one bitmask row (int32 words) to `token_id`, where the row allows it."""
+    word, bit = divmod(token_id, 32)
+    if word < row.shape[0] and (int(row[word]) >> bit) & 1:
+        row[:] = 0
+        row[word] = np.uint32(1 << bit).view(np.int32)
+
+
 def _unspellable_added_tokens(tokenizer_json: str) -> str:
     """The tokenizer with each added token's text made one no text contains. llguidance tokenizes forced text
     (a `const` string) with the tokenizer and allows only that tokenization; text spelling `<|im_end|>` would

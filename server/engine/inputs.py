@@ -10,6 +10,7 @@ from typing import Any
 
 from server.engine.fim import FimTokens, infill_ids
 from server.engine.grammar import Grammars
+from server.engine.reasoning_budget import ReasoningBudget
 from server.engine.request import Request
 from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
@@ -40,6 +41,9 @@ class Inputs:
             del prompt_ids
             raise ContextLengthExceededError(num_tokens, self.max_model_len)
         grammar = self.grammars.compile(params.structured) if params.structured is not None else None
+        reasoning = None
+        if params.reasoning_budget is not None and self.tokenizer is not None:
+            reasoning = ReasoningBudget.for_prompt(params.reasoning_budget, self.tokenizer, prompt_ids)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.tokenizer is not None:
             stop_ids |= set(self.tokenizer.eos_token_ids)
@@ -54,6 +58,7 @@ class Inputs:
             stop_token_ids=frozenset(stop_ids),
             max_total_tokens=min(len(prompt_ids) + params.max_tokens, self.max_model_len),
             grammar=grammar,
+            reasoning=reasoning,
         )
 
     def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:

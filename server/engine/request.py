@@ -38,6 +38,7 @@ class Request:
     state_slot: int | None = None  # hybrid models: this sequence's live slot in the state pool
     grammar: Any = None  # structured outputs: the request's grammar.GrammarMatcher
     error: Any = None  # finish_reason "error": the InvalidRequestError that says why (a grammar that could not go on)
+    reasoning: Any = None  # params.reasoning_budget: the request's reasoning_budget.ReasoningBudget
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +51,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def may_mask(self, index: int) -> bool:
+        """Whether the token at output `index` may be sampled under a mask: a grammar, or a spent reasoning budget
+        (known for sure once every earlier token is)."""
+        return self.grammar is not None or (self.reasoning is not None and self.reasoning.may_force(index))
 
     @property
     def is_finished(self) -> bool:

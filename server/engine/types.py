@@ -70,6 +70,10 @@ class FinishReason(str, Enum):
     ERROR = "error"  # the structured output's grammar could not go on (StreamDelta.error says why)
 
 
+# The reasoning section's markers, as thinking chat templates write them (Qwen3, DeepSeek-R1)
+THINK_START = "<think>"
+THINK_END = "</think>"
+
 # JSON as models write it on one line: no whitespace choices to spend tokens on
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -98,6 +102,12 @@ class StructuredOutput:
         return cls(f"start: {json_rule(schema)}\n", param=param)
 
 
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 512
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings. `validate()` raises InvalidRequestError with a fix-it message."""
@@ -118,6 +128,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output follows this grammar; compiled by the engine
+    reasoning_budget: int | None = None  # the reasoning ends by this many tokens: the engine then writes `</think>`
     # the prediction phase's time budget, counted from the first generated token: once it has passed, the request
     # ends with finish_reason "length" (llama.cpp's t_max_predict_ms, without its wait for a newline)
     max_predict_ms: float | None = None
@@ -126,8 +137,8 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise InvalidRequestError(msg, param=param)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1 (an integer), got {self.max_tokens!r}.")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             bad("temperature", f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
         if not 0 < self.top_p <= 1:
@@ -144,8 +155,12 @@ class SamplingParams:
                 bad(name, f"{name} must be in [-2, 2], got {value}.")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"logprobs must be between 0 and 20, got {self.logprobs}.")
+        budget = self.reasoning_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
+            bad("reasoning_budget", f"reasoning_budget must be a positive number of tokens, got {budget!r}.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"seed must be an integer, got {self.seed!r}.")
+        self._validate_sizes(bad)
         for token_id, bias in (self.logit_bias or {}).items():
             if vocab_size is not None and not 0 <= int(token_id) < vocab_size:
                 bad("logit_bias", f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size}).")
@@ -156,6 +171,19 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 bad("stop_token_ids", f"stop token id {token_id} is outside the vocabulary [0, {vocab_size}).")
+
+    def _validate_sizes(self, bad) -> None:
+        """Caps on what costs work per generated token (stop strings are searched in every new piece of text)."""
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(self.stop)}.")
+        longest = max(self.stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            bad("stop", f"stop sequences may be at most {MAX_STOP_CHARS} characters long, got one of {len(longest)}.")
+        if len(self.logit_bias or {}) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids are allowed, got "
+                f"{len(self.stop_token_ids)}.")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -33,6 +34,7 @@ _MAX_REL_ERR = 3e-2  # fp8 / bf16 outputs against an fp32 product of the same (d
 class Probe:
     ok: bool
     reason: str
+    brief: str = ""  # a failure's reason in a few words (`reason` has the exception); empty: `reason` is short
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,14 @@ class Capabilities:
         eager = getattr(self, f"grouped_mm_{names[dtype]}").ok
         return eager and (not tracing or getattr(self, f"grouped_mm_{names[dtype]}_traced").ok)
 
-    def describe(self) -> list[str]:
+    def describe(self, verbose: bool = False) -> list[str]:
+        """One line per probe; a failure by its brief reason, or `verbose` by its exception."""
         lines = [f"device {self.device}, torch {self.torch_version}"]
         for entry in fields(self):
             value = getattr(self, entry.name)
             if isinstance(value, Probe):
-                lines.append(f"  {entry.name:<22} {'yes' if value.ok else 'no ':<4} {value.reason}")
+                reason = value.reason if verbose or not value.brief else value.brief
+                lines.append(f"  {entry.name:<22} {'yes' if value.ok else 'no ':<4} {reason}")
         return lines
 
 
@@ -108,7 +112,30 @@ def _run(check: Callable[[], str]) -> Probe:
     try:
         return Probe(True, check())
     except Exception as exc:  # any failure of an optional fast path means "use the fallback"
-        return Probe(False, failure_reason(exc))
+        return Probe(False, failure_reason(exc), brief_reason(exc))
+
+
+# torch's refusals, in a few words: (pattern of the message, what to say)
+_BRIEF = (
+    (re.compile(r"Could not run '(?:aten::)?([\w.]+)' with arguments from the '(\w+)' backend"), "{0}: no {1} kernel"),
+    (re.compile(r"Expected inputs of (\w+) type"), "takes {0} inputs only"),
+    (re.compile(r"not (?:implemented|supported)", re.IGNORECASE), "not supported here"),
+)
+_MAX_BRIEF = 60
+
+
+def brief_reason(exc: BaseException) -> str:
+    """Why a probe failed in a few words, for `mps-serve info` (the exception is `failure_reason`'s, under
+    --verbose): torch's usual refusals by a pattern; any other reason by its first clause."""
+    text = str(exc).strip()
+    for pattern, say in _BRIEF:
+        found = pattern.search(text)
+        if found:
+            return say.format(*found.groups())
+    first = re.split(r"(?<=[.;:])\s", text.splitlines()[0] if text else "", maxsplit=1)[0].rstrip(".;:")
+    if not first:
+        return type(exc).__name__
+    return first if len(first) <= _MAX_BRIEF else first[: _MAX_BRIEF - 4].rsplit(" ", 1)[0] + " ..."
 
 
 def failure_reason(exc: BaseException, max_len: int = 320) -> str:

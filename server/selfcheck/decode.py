@@ -34,16 +34,25 @@ class DecodeSizes:
     preset: bool  # run a real-size preset where one fits
 
 
+@dataclass(frozen=True)
+class Copy:
+    """The copy bandwidth the speed checks measured (gb_s None where that failed: the bench measures it, in `mib`
+    MiB buffers): every roofline of the report is a fraction of one figure."""
+
+    mib: int
+    gb_s: float | None
+
+
 FULL = DecodeSizes(32, 32, 2, compile=True, preset=True)
 QUICK = DecodeSizes(16, 32, 2, compile=False, preset=False)
 
 
-def decode_checks(device: torch.device, dtype: torch.dtype, sizes: DecodeSizes, copy_mib: int) -> list[Check]:
+def decode_checks(device: torch.device, dtype: torch.dtype, sizes: DecodeSizes, copy: Copy) -> list[Check]:
     checks = [
         attempt(SECTION, "compiled_vs_eager", lambda: check_compiled_vs_eager(device, sizes)),
         attempt(SECTION, "flex_decode_compiled", lambda: check_flex_compiled(device, dtype, sizes)),
         attempt(SECTION, f"decode_{TINY_PRESET}", lambda: check_bench_decode(device, TINY_PRESET, "none", sizes,
-                                                                             copy_mib)),
+                                                                             copy)),
     ]
     preset, quantize, why = fitting_preset(device, dtype)
     if preset is not None and not sizes.preset:
@@ -52,7 +61,7 @@ def decode_checks(device: torch.device, dtype: torch.dtype, sizes: DecodeSizes, 
         checks.append(Check(SECTION, "decode_preset", SKIP, why))
     else:
         checks.append(attempt(SECTION, f"decode_{preset}", lambda: check_bench_decode(
-            device, preset, quantize, sizes, copy_mib, why, compiled=False)))
+            device, preset, quantize, sizes, copy, why, compiled=False)))
     return checks
 
 
@@ -142,7 +151,7 @@ def fitting_preset(device: torch.device, dtype: torch.dtype) -> tuple[str | None
                         f"{budget / 1e9:.1f} GB of {memory / 1e9:.1f} GB is left after the KV allowance")
 
 
-def check_bench_decode(device: torch.device, preset: str, quantize: str, sizes: DecodeSizes, copy_mib: int,
+def check_bench_decode(device: torch.device, preset: str, quantize: str, sizes: DecodeSizes, copy: Copy,
                        note: str = "", compiled: bool = True) -> Check:
     """A short bench at batch 1: decode tok/s, kernels per step and the roofline fraction. `compiled=False`: the
     eager step, the speed served while the compiled one is built (a preset's cold compile takes minutes)."""
@@ -150,7 +159,7 @@ def check_bench_decode(device: torch.device, preset: str, quantize: str, sizes: 
 
     opts = BenchOptions(preset=preset, batch_sizes=(1,), prompt_len=sizes.prompt_len,
                         decode_tokens=sizes.decode_tokens, device=device.type, quantize=(quantize,),
-                        reps=sizes.reps, copy_mib=copy_mib,
+                        reps=sizes.reps, copy_mib=copy.mib, copy_gb_s=copy.gb_s,
                         engine_options={} if compiled else {"compile": "off"})
     record = run_bench(opts)[0]
     rate = record["decode_tok_s"]

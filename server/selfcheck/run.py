@@ -108,13 +108,14 @@ def run_selfcheck(device_name: str, quick: bool, seed: int, log=print) -> tuple[
     checks += kernel_pairs.kernel_checks(device, dtype, seed)
     log("copy bandwidth, GEMV, MoE layer ...")
     speed_sizes = speed.QUICK if quick or device.type == "cpu" else speed.FULL
-    speed_results, _copy_gb_s = speed.speed_checks(device, dtype, speed_sizes)
+    speed_results, copy_gb_s = speed.speed_checks(device, dtype, speed_sizes)
     checks += speed_results
     log("decode: compiled vs eager, short decodes ...")
-    checks += decode.decode_checks(device, dtype, decode.QUICK if quick else decode.FULL, speed_sizes.copy_mib)
+    checks += decode.decode_checks(device, dtype, decode.QUICK if quick else decode.FULL,
+                                   decode.Copy(speed_sizes.copy_mib, copy_gb_s))
     checks += fallback_checks(caps)
     system["seconds"] = round(time.perf_counter() - start, 1)
-    return system, caps.describe(), checks
+    return system, caps.describe(verbose=True), checks
 
 
 def cmd_selfcheck(args: argparse.Namespace) -> int:

@@ -198,3 +198,113 @@ def test_forced_tool_objects_without_additional_properties_are_closed() -> None:
     assert accepts('{"a": {"b": 1}}')
     assert not accepts('{"a": {"b": 1}, "extra": 2}') and not accepts('{"a": {"b": 1, "c": 3}}')
     assert "additionalProperties" not in tool["function"]["parameters"]  # the request's tools are left as sent
+
+
+CHAT = {"messages": USER}
+MESSAGES = {"messages": USER, "max_tokens": 8}
+RESPONSES = {"input": "q"}
+
+
+def _refused(srv: RunningServer, path: str, body: dict, param: str) -> str:
+    """POST `body`: a 400 in the route's protocol shape naming `param`; returns the message."""
+    response = srv.post(path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    if path == "/v1/messages":  # Anthropic's shape names the field in the message only
+        assert response.json()["type"] == "error" and error["type"] == "invalid_request_error"
+        assert param in error["message"], error
+    else:
+        assert error["param"] == param, error
+    _no_internals(error["message"])
+    return error["message"]
+
+
+@pytest.mark.parametrize("path, base, field, value", [
+    ("/v1/chat/completions", CHAT, "max_tokens", True),
+    ("/v1/chat/completions", CHAT, "max_tokens", 1e30),
+    ("/v1/chat/completions", CHAT, "max_completion_tokens", 5.0),
+    ("/v1/chat/completions", CHAT, "n", True),
+    ("/v1/chat/completions", CHAT, "temperature", True),
+    ("/v1/chat/completions", CHAT, "top_p", "0.5"),
+    ("/v1/chat/completions", CHAT, "seed", False),
+    ("/v1/chat/completions", CHAT, "top_k", True),
+    ("/v1/chat/completions", CHAT, "top_logprobs", True),
+    ("/v1/chat/completions", CHAT, "presence_penalty", True),
+    ("/v1/completions", {"prompt": "hi"}, "max_tokens", True),
+    ("/v1/completions", {"prompt": "hi"}, "logprobs", True),
+    ("/v1/messages", MESSAGES, "max_tokens", True),
+    ("/v1/messages", MESSAGES, "max_tokens", 1e30),
+    ("/v1/messages", MESSAGES, "temperature", True),
+    ("/v1/messages", MESSAGES, "top_k", True),
+    ("/v1/responses", RESPONSES, "max_output_tokens", True),
+    ("/v1/responses", RESPONSES, "max_output_tokens", 1e30),
+    ("/v1/responses", RESPONSES, "temperature", False),
+    ("/infill", {"input_prefix": "a"}, "n_predict", True),
+    ("/infill", {"input_prefix": "a"}, "t_max_predict_ms", True),
+    ("/v1/completions", {"prompt": "hi"}, "t_max_predict_ms", True),
+])
+def test_booleans_strings_and_fractions_are_not_integers(srv: RunningServer, path, base, field, value) -> None:
+    message = _refused(srv, path, {**base, field: value}, field)
+    assert "valid" in message  # pydantic's "Input should be a valid integer / number"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"5": True}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": [True, 5]}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": [True]}, "stop_token_ids.0"),
+    ("/v1/messages", {**MESSAGES, "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": True}},
+     "thinking.budget_tokens"),
+])
+def test_booleans_inside_fields_are_not_numbers(srv: RunningServer, path, body, param) -> None:
+    _refused(srv, path, body, param)
+
+
+def _tools_chat(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object"}}} for i in range(n)]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(33)]}, "stop"),
+    ("/v1/chat/completions", {**CHAT, "stop": "x" * 513}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+    ("/v1/messages", {**MESSAGES, "stop_sequences": [f"s{i}" for i in range(10_000)]}, "stop_sequences"),
+    ("/v1/messages", {**MESSAGES, "stop_sequences": ["y" * 600]}, "stop_sequences"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ("/v1/chat/completions", {**CHAT, "tools": _tools_chat(129)}, "tools"),
+    ("/v1/messages", {**MESSAGES, "tools": [{"name": f"f{i}", "input_schema": {"type": "object"}}
+                                            for i in range(129)]}, "tools"),
+    ("/v1/responses", {**RESPONSES, "tools": [{"type": "function", "name": f"f{i}"} for i in range(129)]}, "tools"),
+])
+def test_per_token_work_a_client_controls_is_capped(srv: RunningServer, path, body, param) -> None:
+    _refused(srv, path, body, param)
+
+
+@pytest.mark.parametrize("body", [
+    {**CHAT, "stop": [f"s{i}" for i in range(32)], "logit_bias": {str(i): 1 for i in range(300)},
+     "tools": _tools_chat(128), "max_tokens": 10**12},
+])
+def test_up_to_the_caps_is_served(srv: RunningServer, body) -> None:
+    """At the caps is fine; a max_tokens past the context is an integer, served up to the context (length)."""
+    response = srv.post("/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"background": True}, "background"),
+    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+])
+def test_responses_refuses_what_needs_a_stored_response_or_cannot_be_included(srv: RunningServer, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        srv.client().responses.create(model="m", input="q", **extra)
+    assert refused.value.body["param"] == param
+
+
+@pytest.mark.parametrize("extra", [{"store": True}, {"store": False}, {"background": False},
+                                   {"include": ["reasoning.encrypted_content"]}])
+def test_responses_accepts_what_it_honours_and_says_nothing_is_stored(srv: RunningServer, extra) -> None:
+    srv.engine.script = Script(pieces=["fine"])
+    out = srv.client().responses.create(model="m", input="q", **extra)
+    assert out.output_text == "fine" and out.store is False

@@ -41,7 +41,7 @@ def factory():
     engine.shutdown = reporting_shutdown
     return engine
 
-config = Config(engine=EngineConfig.from_flat(model="fake/model"), server=ServerConfig(port=port, log_level="warning"))
+config = Config(engine=EngineConfig.from_flat(model="fake/model"), server=ServerConfig(port=port, log_level="info"))
 sys.exit(run_server(config, factory, shutdown_grace_s=grace))
 """
 
@@ -103,6 +103,7 @@ def test_signal_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: f
         proc.kill()
     assert proc.returncode == 0, output
     assert "ENGINE_SHUTDOWN" in output
+    assert output.count("Application startup complete") == 1  # said once, when the model serves
     payloads = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: {")]
     assert len(lines) > num_lines_at_signal  # the stream went on after the signal
     if mode == "short":  # finished within the grace period: the whole answer, then [DONE]
@@ -113,7 +114,11 @@ def test_signal_drains_streams_and_exits_0(tmp_path: Path, mode: str, grace_s: f
         assert payloads[-1]["error"]["code"] == "server_shutdown" and "[DONE]" not in lines[-1]
 
 
-def test_model_load_failure_exits_1(tmp_path: Path) -> None:
+def test_model_load_failure_exits_1_with_one_error_line(tmp_path: Path) -> None:
     proc, _, _ = _start(tmp_path, "fail", 1.0)
     output, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "no checkpoint at /nope" in output
+    lines = output.strip().splitlines()
+    assert proc.returncode == 1, output
+    assert "Application startup complete" not in output  # the model never served
+    assert "could not load the model: ModelLoadError: no checkpoint at /nope" in lines[-1]  # the last word
+    assert sum("/nope" in line for line in lines) == 1 and "Traceback" not in output

@@ -16,7 +16,7 @@ import pytest
 
 from server import cli
 from server.bench.options import options_from_args
-from server.kernels.capabilities import failure_reason
+from server.kernels.capabilities import brief_reason, failure_reason
 
 
 def run_cli(*args: str, tmp_path) -> subprocess.CompletedProcess:
@@ -148,3 +148,31 @@ def test_a_bad_port_is_a_one_line_argparse_error(port, capsys):
 def test_api_key_help_names_both_headers():
     help_text = _subparsers(cli.build_parser())["serve"].format_help()
     assert "x-api-key" in help_text
+
+
+@pytest.mark.parametrize("exc, brief", [
+    (NotImplementedError("Could not run 'aten::_scaled_grouped_mm_v2' with arguments from the 'CPU' backend. This "
+                         "could be because the operator doesn't exist for this backend"), "_scaled_grouped_mm_v2: no CPU kernel"),
+    (RuntimeError("Expected inputs of BF16 type but got mat_a.dtype=torch.float16"), "takes BF16 inputs only"),
+    (RuntimeError("cpu has no device streams; host copies are synchronous"), "cpu has no device streams"),
+    (ValueError("x" * 200), "x" * 56 + " ..."),
+    (RuntimeError(""), "RuntimeError"),
+])
+def test_a_failed_probe_has_a_brief_reason(exc, brief):
+    assert brief_reason(exc) == brief
+
+
+def test_info_says_no_with_a_brief_reason_and_the_exception_under_verbose(tmp_path):
+    brief = run_cli("info", "--device", "cpu", tmp_path=tmp_path)
+    verbose = run_cli("info", "--device", "cpu", "--verbose", tmp_path=tmp_path)
+    assert brief.returncode == verbose.returncode == 0, brief.stderr + verbose.stderr
+
+    def refusals(out: str) -> dict[str, str]:
+        rows = [line.split(None, 2) for line in out.splitlines() if line.startswith("    ") and len(line.split()) > 2]
+        return {row[0]: row[2] for row in rows if row[1] == "no"}
+
+    brief_no, verbose_no = refusals(brief.stdout), refusals(verbose.stdout)
+    assert brief_no.keys() == verbose_no.keys() and "streams" in brief_no  # the CPU has no device streams
+    for name, reason in brief_no.items():
+        assert "Error" not in reason and len(reason) <= 60, (name, reason)
+        assert verbose_no[name].split(":")[0].endswith("Error"), verbose_no[name]  # the exception, by its type

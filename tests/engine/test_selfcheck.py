@@ -40,6 +40,10 @@ def test_quick_selfcheck_on_cpu_writes_a_table_a_summary_and_json(tmp_path):
     tiny = checks["decode", "decode_tiny-moe"]
     assert tiny["status"] == PASS and tiny["values"]["decode_tok_s"] > 0 and tiny["values"]["kernels_per_step"] > 10
     assert 0 < tiny["values"]["roofline_fraction"]
+    # one copy-bandwidth figure: the decode rooflines are fractions of the one the speed check reports
+    assert tiny["values"]["copy_gb_s"] == checks["speed", "copy_bandwidth"]["values"]["gb_s"]
+    assert "device copy bandwidth" not in done.stderr
+    assert "USDT" not in done.stdout + done.stderr and "profiler_start" not in done.stderr  # no kineto noise
     assert "no preset fits" in checks["decode", "decode_preset"]["detail"]
     assert checks["decode", "compiled_vs_eager"]["status"] == SKIP
     assert document["counts"] == {PASS: sum(c["status"] == PASS for c in checks.values()), FAIL: 0,
