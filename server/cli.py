@@ -208,6 +208,10 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         ok, why = probe_compiled(str(device), select_dtype("auto", device, None), 16)
         print(readable(f"    {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}"))
+    from server.kernels.mps_ops import fallback_report
+
+    for line in fallback_report(on_mps=device.type == "mps"):
+        print(readable(line))
     return 0
 
 

@@ -102,6 +102,14 @@ def _quantize_rows(rows: torch.Tensor, group_size: int, bits: int):
     return packed, scale.squeeze(-1).to(rows.dtype), bias.squeeze(-1).to(rows.dtype)
 
 
+def packed_rows(packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], index: torch.Tensor | int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `index` of (q, scales, biases). The words are gathered through their int32 view: MPS (torch 2.15) has
+    no indexing kernel for uint32 (kernels/mps_ops.json)."""
+    q, scales, biases = packed
+    return q.view(torch.int32)[index].view(q.dtype), scales[index], biases[index]
+
+
 def dequantize_affine(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int
                       ) -> torch.Tensor:
     """Packed [..., P] with scales, biases [..., G] -> [..., G * group_size] in scales.dtype, equal to
@@ -155,7 +163,7 @@ def affine_embedding(ids: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, b
                      group_size: int, bits: int) -> torch.Tensor:
     """The rows `ids` of a quantized table, dequantized: [...] -> [..., H] in scales.dtype (mlx's
     QuantizedEmbedding: only the looked-up rows are read)."""
-    return dequantize_affine(q[ids], scales[ids], biases[ids], group_size, bits)
+    return dequantize_affine(*packed_rows((q, scales, biases), ids), group_size, bits)
 
 
 # An experts projection: packed (q, scales, biases) with its format (group_size, bits), or a float tensor [E, N, K]
@@ -188,7 +196,7 @@ def _expert_weight(weight, fmt: Format, index) -> torch.Tensor:
     """Rows `index` (an expert id, or a tensor of them) of an experts projection, dequantized where packed."""
     if fmt is None:
         return weight[index]
-    return dequantize_affine(*(t[index] for t in weight), *fmt)
+    return dequantize_affine(*packed_rows(weight, index), *fmt)
 
 
 def affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_format, down_format):
@@ -225,7 +233,7 @@ def _slot_product(x_slots, weight, fmt: Format, flat_ids) -> torch.Tensor:
     """x_slots [S, 1, K] against each slot's expert rows of `weight` -> [S, N] float32."""
     if fmt is None:
         return (x_slots.float() * weight[flat_ids].float()).sum(-1)  # [S, N, K] -> [S, N]
-    return _slot_reduction(x_slots, *(t[flat_ids] for t in weight), *fmt)
+    return _slot_reduction(x_slots, *packed_rows(weight, flat_ids), *fmt)
 
 
 def _slot_reduction(x_slots, q, scales, biases, group_size, bits):

@@ -15,6 +15,7 @@ What it reads from the wheel (its torch/version.py names the commit, recorded in
 - torch/lib/libtorch_cpu.dylib, the built MPS backend: every yaml MPS op must have its generated
   `wrapper_MPS_<op>` registration there (checked); the embedded Metal library's kernel names say which ops have
   kernels for the dtypes MPSGraph lacks (float8_e4m3fn, the unsigned integers).
+- torch/mps/__init__.py: the names torch.mps exports (its streams and events).
 - torch/_inductor/codegen/mps.py: the dtypes, reductions, store modes and pointwise ops the Metal code generator
   emits; anything else in a compiled MPS step either falls back to an aten kernel (then it must be in the table) or
   fails the compile.
@@ -176,6 +177,14 @@ def metal_codegen(source: str) -> dict:
     }
 
 
+def module_all(source: str) -> list[str]:
+    """A module's __all__ (torch/mps: whether Stream, Event, stream and current_stream exist)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return sorted(elt.value for elt in node.value.elts)
+    return []
+
+
 def compact(names: set[str]) -> dict[str, list[str]]:
     """{'add': ['Tensor', 'out', ...]}: one entry per op name, '' for the default overload."""
     grouped: dict[str, list[str]] = defaultdict(list)
@@ -195,6 +204,7 @@ def build(wheel_path: Path) -> dict:
         functions = yaml.safe_load(read(wheel, "torchgen/packaged/ATen/native/native_functions.yaml"))
         codegen = read(wheel, "torch/_inductor/codegen/mps.py").decode()
         binary = read(wheel, "torch/lib/libtorch_cpu.dylib")
+        mps_module = read(wheel, "torch/mps/__init__.py").decode()
     version = re.search(r"__version__ = '([^']+)'", version_src).group(1)
     commit = re.search(r"git_version = '([0-9a-f]+)'", version_src).group(1)
     kinds = classify(functions)
@@ -221,6 +231,7 @@ def build(wheel_path: Path) -> dict:
             "limited_why": "MPSGraph has no type for these: only ops whose Metal kernels are instantiated for the dtype",
         },
         "inductor_metal": metal_codegen(codegen),
+        "torch_mps_api": module_all(mps_module),
     }
 
 
