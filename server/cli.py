@@ -210,8 +210,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(readable(f"    {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}"))
     from server.kernels.mps_ops import fallback_report
 
-    for line in fallback_report(on_mps=device.type == "mps"):
-        print(readable(line))
+    print("\n".join(fallback_report(on_mps=device.type == "mps")))
     return 0
 
 

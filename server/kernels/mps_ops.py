@@ -144,10 +144,10 @@ def plan_ops() -> dict[str, list[str]]:
     return json.loads(PLAN_OPS.read_text())["ops"]
 
 
-def fallback_report(on_mps: bool) -> list[str]:
-    """`mps-serve info`'s lines: the MPS plans' ops that would run through PyTorch's CPU fallback. Per the table
-    (torch 2.15, expected none), and on a Mac per the running torch's own dispatcher."""
-    table, ops = mps_table(), plan_ops()
+def fallback_report(on_mps: bool, ops: dict[str, list[str]] | None = None) -> list[str]:
+    """`mps-serve info`'s lines: the MPS plans' ops (`ops`, default plan_ops()) that would run through PyTorch's
+    CPU fallback. Per the table (torch 2.15, expected none), and on a Mac per the running torch's own dispatcher."""
+    table, ops = mps_table(), plan_ops() if ops is None else ops
     static = ops_not_on_mps({name: {tuple(dtypes)} for name, dtypes in ops.items()}, table)
     lines = [f"MPS ops: the step plans run {len(ops)} aten ops; per torch {table.torch_version}'s MPS kernels "
              f"(commit {table.commit[:12]}) {len(static) or 'none'} would run through the CPU fallback"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from server.compile.decode_graphs import DecodeRows, DecodeStep
-from server.kernels.mps_ops import mps_table, ops_not_on_mps, plan_ops, table_capabilities
+from server.kernels.mps_ops import fallback_report, mps_table, ops_not_on_mps, plan_ops, table_capabilities
 from server.kernels.plan import build_step_plan
 from tests.mps_audit import (
     ARCHS,
@@ -84,6 +84,15 @@ def test_every_op_of_the_mps_plan_has_an_mps_kernel(arch, root):
 
 def test_the_listed_plan_ops_all_run_on_mps():
     assert ops_not_on_mps({name: {tuple(dtypes)} for name, dtypes in plan_ops().items()}) == {}
+
+
+def test_info_names_the_plan_ops_that_would_run_on_the_cpu():
+    report = fallback_report(False, {"aten::add.Tensor": ["bfloat16"], "aten::_scaled_mm": ["float8_e4m3fn"],
+                                     "aten::linalg_svd": ["float32"]})
+    assert "2 would run through the CPU fallback" in report[0]
+    assert any("aten::_scaled_mm: no MPS kernel" in line for line in report)
+    assert any("aten::linalg_svd" in line and "MPSFallback" in line for line in report)
+    assert "none would run" in fallback_report(False)[0]
 
 
 def test_the_compiled_decode_step_lowers_for_metal(root):

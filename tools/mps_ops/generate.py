@@ -147,7 +147,8 @@ def limited_dtypes(binary: bytes) -> dict[str, list[str]]:
 
 
 def metal_codegen(source: str) -> dict:
-    """What torch/_inductor/codegen/mps.py generates: dtypes (DTYPE_TO_METAL), reductions, store modes, ops."""
+    """What torch/_inductor/codegen/mps.py generates: dtypes (DTYPE_TO_METAL), reductions, store modes, and the ops
+    MetalOverrides spells for Metal."""
     tree = ast.parse(source)
     dtypes, ops = [], set()
     for node in ast.walk(tree):
@@ -166,7 +167,7 @@ def metal_codegen(source: str) -> dict:
         "dtypes": sorted({aliases.get(d, d) for d in dtypes}),
         "reductions": reductions,
         "store_modes": ["store", "atomic_add"] if 'mode == "atomic_add"' in source else ["store"],
-        "pointwise": sorted(ops),
+        "metal_overrides": sorted(ops),  # beside these, OpOverrides' C-like defaults: + - * /, bitwise, shifts, compares
         "limits": [
             "float8 types have no Metal type in the generator: a generated kernel that reads or writes one fails the compile",
             "float64 only as a 0-d scalar input (cast to float); a float64 buffer fails the compile",
