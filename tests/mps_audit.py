@@ -27,7 +27,8 @@ class OpRecorder(TorchDispatchMode):
     """ops: 'aten::name.overload' -> the (sorted) dtype tuples of its tensor arguments and results. An op the
     table says decomposes above the backend (CompositeImplicitAutograd) is run through its decomposition under the
     recorder, so its parts are recorded too; one whose decomposition picks a backend's op (MPS_CHOICES) is recorded
-    as itself, since on the CPU it would pick the CPU's."""
+    as itself, since on the CPU it would pick the CPU's. A CompositeExplicitAutograd op (e.g. _to_copy) is recorded
+    as itself: its kernel calls its parts below the recorder."""
 
     def __init__(self, table: MpsTable):
         super().__init__()

@@ -104,8 +104,8 @@ def _quantize_rows(rows: torch.Tensor, group_size: int, bits: int):
 
 def packed_rows(packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], index: torch.Tensor | int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows `index` of (q, scales, biases). The words are gathered through their int32 view: MPS (torch 2.15) has
-    no indexing kernel for uint32 (kernels/mps_ops.json)."""
+    """Rows `index` of (q, scales, biases). The words are gathered through their int32 view: torch 2.15's Metal
+    library has no uint32 instance of its gather kernels (kernels/mps_ops.json), int32 indexing runs everywhere."""
     q, scales, biases = packed
     return q.view(torch.int32)[index].view(q.dtype), scales[index], biases[index]
 

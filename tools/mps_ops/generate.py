@@ -229,7 +229,8 @@ def build(wheel_path: Path) -> dict:
             "never": ["float64", "complex128"],
             "never_why": "MPS has no float64 (OperationUtils getMPSDataType: 'the MPS framework doesn't support float64')",
             "limited": limited_dtypes(binary),
-            "limited_why": "MPSGraph has no type for these: only ops whose Metal kernels are instantiated for the dtype",
+            "limited_why": "conservative: the ops whose Metal kernels are instantiated for the dtype (MPSGraph has no "
+                           "float8 type; its unsigned types need macOS 14+ and are not counted here)",
         },
         "inductor_metal": metal_codegen(codegen),
         "torch_mps_api": module_all(mps_module),
