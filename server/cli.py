@@ -210,6 +210,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 
         ok, why = probe_compiled(str(device), select_dtype("auto", device, None), 16)
         print(readable(f"    {'flex_decode':<22} {'yes' if ok else 'no ':<4} {why}"))
+    from server.kernels.mps_ops import fallback_report
+
+    print("\n".join(fallback_report(on_mps=device.type == "mps")))
     return 0
 
 

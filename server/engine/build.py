@@ -19,7 +19,8 @@ from server.engine.scheduler import Scheduler
 from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
 from server.engine.weights import load_model, read_config, resolve_model_path
-from server.kernels.plan import StepPlans, step_plans
+from server.kernels.capabilities import Capabilities
+from server.kernels.plan import StepPlans, build_step_plans, step_plans
 from server.models.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,11 @@ def serving_len(config: EngineConfig, model) -> int:
 
 def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, agree_num_blocks: Callable[[int], int] | None = None,
-                num_kv_blocks: int | None = None) -> EngineParts:
+                num_kv_blocks: int | None = None, plan_as: Capabilities | None = None) -> EngineParts:
     """`num_kv_blocks`: the paged KV's usable blocks, planned already (`plan_num_kv_blocks`, before the weights
-    streamed in); `agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold."""
+    streamed in); `agree_num_blocks`: across the ranks of a parallel model, the block count all of them hold;
+    `plan_as`: plan the steps as for the device those capabilities describe (the MPS audit runs the MPS plan on
+    the CPU), not as the probe of `device` says."""
     if num_kv_blocks is None:
         num_kv_blocks = plan_num_kv_blocks(model, config, device, dtype, max_model_len)
     if agree_num_blocks is not None:
@@ -87,7 +90,8 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     kv_manager = KVManager(allocator, state_slots)
     limits = replace(config.scheduler, max_model_len=max_model_len)
     scheduler = Scheduler(limits, kv_manager)
-    plans = step_plans(device, dtype)  # the forms eager and compiled steps run (server.kernels.plan)
+    # the forms eager and compiled steps run (server.kernels.plan)
+    plans = step_plans(device, dtype) if plan_as is None else build_step_plans(plan_as, plan_as.device, dtype)
     runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache, plans)
     return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, plans)
 

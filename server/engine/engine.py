@@ -48,6 +48,7 @@ from server.engine.types import (
     StreamDelta,
 )
 from server.engine.weights import bits_per_weight, resident_bytes, resolve_model_path
+from server.kernels.capabilities import Capabilities
 
 log = logging.getLogger(__name__)
 
@@ -91,9 +92,10 @@ class Engine:
         return cls(model, tokenizer, config, device, dtype, limit, config.load.model, parts, steps)
 
     @classmethod
-    def from_config(cls, config: EngineConfig, compile_beside_serving: bool = False) -> Engine:
+    def from_config(cls, config: EngineConfig, compile_beside_serving: bool = False,
+                    plan_as: Capabilities | None = None) -> Engine:
         """`compile_beside_serving`: the caller calls `compile_in_background` next; its compile child starts as
-        soon as the model's tensors exist, and compiles while the weights load."""
+        soon as the model's tensors exist, and compiles while the weights load. `plan_as`: build_parts'."""
         apply_cpu_threads(config.load.cpu_threads)  # before loading: FP8 quantization already runs CPU ops
         if config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
             from server.engine.distributed import start_engine  # torch.distributed: imported where it serves
@@ -103,7 +105,7 @@ class Engine:
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)
         pooling = None if config.load.model == "demo" else read_pooling(resolve_model_path(config.load.model, config.load.revision))
         parts = build_parts(model, config, device, dtype, max_model_len,
-                            num_kv_blocks=early.num_kv_blocks if early else None)
+                            num_kv_blocks=early.num_kv_blocks if early else None, plan_as=plan_as)
         steps = build_steps(model, config, parts, device, dtype, max_model_len, early)
         return cls(model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts, steps, pooling)
 

@@ -110,6 +110,14 @@ def _quantize_rows(rows: torch.Tensor, group_size: int, bits: int):
     return packed, scale.squeeze(-1).to(rows.dtype), bias.squeeze(-1).to(rows.dtype)
 
 
+def packed_rows(packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor], index: torch.Tensor | int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows `index` of (q, scales, biases). The words are gathered through their int32 view: torch 2.15's Metal
+    library has no uint32 instance of its gather kernels (kernels/mps_ops.json), int32 indexing runs everywhere."""
+    q, scales, biases = packed
+    return q.view(torch.int32)[index].view(q.dtype), scales[index], biases[index]
+
+
 def dequantize_affine(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int
                       ) -> torch.Tensor:
     """Packed [..., P] with scales, biases [..., G] -> [..., G * group_size] in scales.dtype, equal to
@@ -170,7 +178,7 @@ def affine_embedding(ids: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, b
                      group_size: int, bits: int) -> torch.Tensor:
     """The rows `ids` of a quantized table, dequantized: [...] -> [..., H] in scales.dtype (mlx's
     QuantizedEmbedding: only the looked-up rows are read)."""
-    return dequantize_affine(q[ids], scales[ids], biases[ids], group_size, bits)
+    return dequantize_affine(*packed_rows((q, scales, biases), ids), group_size, bits)
 
 
 # An experts projection: packed (q, scales, biases) with its format (group_size, bits), or a float tensor [E, N, K]
@@ -209,7 +217,7 @@ def _expert_weight(weight, fmt: Format, index) -> torch.Tensor:
     """Rows `index` (an expert id, or a tensor of them) of an experts projection, dequantized where packed."""
     if fmt is None:
         return weight[index]
-    return dequantize_affine(*(t[index] for t in weight), *fmt)
+    return dequantize_affine(*packed_rows(weight, index), *fmt)
 
 
 def affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_format, down_format):
@@ -244,4 +252,4 @@ def _gathered(weight, fmt: Format, flat_ids: torch.Tensor, rows: slice = slice(N
     torch.compile only the routed experts' packed words are read."""
     if fmt is None:
         return weight[:, rows][flat_ids].float()
-    return dequantized_rows(*(t[:, rows][flat_ids] for t in weight), *fmt)
+    return dequantized_rows(*packed_rows(tuple(t[:, rows] for t in weight), flat_ids), *fmt)

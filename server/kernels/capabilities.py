@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from server.kernels import compat
 
@@ -51,6 +52,8 @@ class Capabilities:
     grouped_mm_fp32_traced: Probe
     fp8_grouped: Probe  # scaled_grouped_mm row-wise
     fp8_weight_only: Probe  # FP8 weights widened inside a float32 reduction (compiled decode at batch 1)
+    fp8_codegen: Probe  # inductor's code generator for the device has float8 types (not Metal in torch 2.15)
+    private_spellings: Probe  # torch._scaled_mm / torch._grouped_mm run here too (what traced steps call)
     streams: Probe  # a side stream + event for non-blocking device-to-host copies
     compile: Probe  # torch.compile's default backend has what it needs (no compile is run)
     # fast path name -> why it failed at run time: from then on its reference path runs (see with_fallback)
@@ -102,6 +105,8 @@ def _probe_all(device_name: str) -> Capabilities:
         grouped_mm_fp32_traced=_run(lambda: _check_grouped_mm_meta(torch.float32)),
         fp8_grouped=_run(lambda: _check_scaled_grouped_mm(device)),
         fp8_weight_only=_run(lambda: _check_weight_only(device)),
+        fp8_codegen=_run(lambda: _check_fp8_codegen(device)),
+        private_spellings=_run(lambda: _check_private_spellings(device)),
         streams=_run(lambda: _check_streams(device)),
         compile=_run(lambda: _check_compile(device)),
     )
@@ -161,12 +166,15 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, what: str) -> str:
     return f"{what}, rel err {err:.1e}"
 
 
-def _spellings(public: str) -> list[tuple[str, bool]]:
-    """Every spelling this build has must work: eager calls use the public one, traced calls the private."""
+def _spellings(public: str, every: bool = False) -> list[tuple[str, bool]]:
+    """The spelling eager steps call: the public op, else the private one; with `every`, each this build has.
+    The private spellings of scaled_mm and grouped_mm, which traced steps prefer, are probed apart
+    (private_spellings): torch 2.15 has `torch._scaled_mm` on CUDA and the CPU, not on MPS. Traced steps call
+    torch._scaled_grouped_mm (dynamo 2.11 skips the public op), so the FP8 grouped probe needs both."""
     found = compat.spellings(public)
     if not found:
         raise AttributeError(f"neither F.{public} nor torch._{public} exists in this torch build")
-    return found
+    return found if every else found[:1]
 
 
 def _check_scaled_mm(device: torch.device, with_bias: bool) -> str:
@@ -231,12 +239,28 @@ def _check_scaled_grouped_mm(device: torch.device) -> str:
     scale_b = torch.rand(weight.shape[0], weight.shape[1], device=device) + 0.5  # [G, N]
     ref = _grouped_product(a_fp8.float() * scale_a[:, None], w_fp8.float() * scale_b[:, :, None], offs)
     reasons = []
-    for name, private in _spellings("scaled_grouped_mm"):
+    for name, private in _spellings("scaled_grouped_mm", every=True):
         out = compat.scaled_grouped_mm_rowwise(
             a_fp8, w_fp8.transpose(-2, -1), scale_a, scale_b, offs, torch.bfloat16, private
         )
         reasons.append(_compare(out, ref, name))
     return "; ".join(reasons)
+
+
+def _check_private_spellings(device: torch.device) -> str:
+    """torch._scaled_mm and torch._grouped_mm where the build also has their public ops (else the public ones are
+    what every step calls already)."""
+    reasons = []
+    if hasattr(F, "scaled_mm") and hasattr(torch, "_scaled_mm") and _FP8 is not None:
+        x, weight = _rand(16, 64, device=device, seed=3).to(_FP8), _rand(32, 64, device=device, seed=1).to(_FP8)
+        scale_a, scale_b = torch.rand(16, 1, device=device) + 0.5, torch.rand(1, 32, device=device) + 0.5
+        out = compat.scaled_mm_rowwise(x, weight.t(), scale_a, scale_b, None, torch.bfloat16, private=True)
+        reasons.append(_compare(out, (x.float() * scale_a) @ (weight.float().t() * scale_b), "torch._scaled_mm"))
+    if hasattr(F, "grouped_mm") and hasattr(torch, "_grouped_mm"):
+        mat_a, weight, offs, ref = _grouped_operands(device, torch.float32)
+        out = compat.grouped_mm(mat_a, weight.transpose(-2, -1), offs, None, private=True)
+        reasons.append(_compare(out, ref, "torch._grouped_mm"))
+    return "; ".join(reasons) or "no private spelling beside a public one in this torch build"
 
 
 def _check_weight_only(device: torch.device) -> str:
@@ -249,6 +273,20 @@ def _check_weight_only(device: torch.device) -> str:
     out = ((x.float().unsqueeze(1) * weight.float().unsqueeze(0)).sum(-1) * scale.view(1, -1)).to(torch.bfloat16)
     ref = x.float().cpu() @ (weight.float().cpu() * scale.cpu()).t()
     return _compare(out, ref, "float8 widening in a float32 reduction")
+
+
+def _check_fp8_codegen(device: torch.device) -> str:
+    """Whether a compiled step's generated kernels may read and write float8 (casts, widened weights): Metal's code
+    generator has a type table of its own; no kernel is generated here."""
+    if _FP8 is None:
+        raise TypeError("torch.float8_e4m3fn is missing from this torch build")
+    if device.type != "mps":
+        return f"inductor's {device.type} code generator has float8 types"
+    from torch._inductor.codegen.mps import DTYPE_TO_METAL
+
+    if _FP8 not in DTYPE_TO_METAL:
+        raise TypeError("inductor's Metal code generator has no float8 type in this torch build")
+    return "inductor's Metal code generator has float8 types"
 
 
 def _check_streams(device: torch.device) -> str:

@@ -46,15 +46,32 @@ def quantize_fp8_rowwise(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return weight_fp8, scale
 
 
-def _quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_rows(values: torch.Tensor, opaque_cast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     values = values.float()
     scale = (values.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(_MIN_SCALE)  # [rows, 1]
-    return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+    return fp8_cast((values / scale).clamp(-FP8_MAX, FP8_MAX), FP8_DTYPE, opaque_cast), scale
 
 
-def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., K] -> (x_fp8 [M, K], x_scale [M, 1] float32) with M = prod(leading dims); one scale per token."""
-    return _quantize_rows(x.reshape(-1, x.shape[-1]))
+def quantize_activation(x: torch.Tensor, opaque_cast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K] -> (x_fp8 [M, K], x_scale [M, 1] float32) with M = prod(leading dims); one scale per token.
+    `opaque_cast`: StepPlan.opaque_fp8_casts."""
+    return _quantize_rows(x.reshape(-1, x.shape[-1]), opaque_cast)
+
+
+@torch.library.custom_op("mps_serve::fp8_cast", mutates_args=())
+def _opaque_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype)
+
+
+@_opaque_cast.register_fake
+def _opaque_cast_shape(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(x, dtype=dtype)
+
+
+def fp8_cast(x: torch.Tensor, dtype: torch.dtype, opaque: bool) -> torch.Tensor:
+    """x.to(dtype), to or from float8. `opaque` (StepPlan.opaque_fp8_casts): as one op inductor calls rather than
+    generates (its Metal backend has no float8 type), which runs the device's own cast kernel."""
+    return torch.ops.mps_serve.fp8_cast(x, dtype) if opaque else x.to(dtype)
 
 
 def fp8_linear(
@@ -168,7 +185,7 @@ class Fp8Linear(nn.Module):
         if x_quant is None and use_weight_only(plan, x_rows.shape[0]):
             out = fp8_weight_only_linear(x_rows, self.weight, self.weight_scale, self.bias, self.out_dtype)
             return out.view(*x.shape[:-1], self.out_features)
-        x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x)
+        x_fp8, x_scale = x_quant if x_quant is not None else quantize_activation(x, plan.opaque_fp8_casts)
         out = fp8_linear(x_fp8, x_scale, self.weight, self.weight_scale, self.bias, self.out_dtype, plan)
         return out.view(*x.shape[:-1], self.out_features)
 

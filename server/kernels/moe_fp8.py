@@ -13,7 +13,7 @@ import torch
 
 from server.kernels import compat
 from server.kernels.capabilities import with_fallback
-from server.kernels.fp8 import FP8_DTYPE, quantize_activation, quantize_fp8_rowwise
+from server.kernels.fp8 import FP8_DTYPE, fp8_cast, quantize_activation, quantize_fp8_rowwise
 from server.kernels.moe import (
     combine_slots,
     moe_experts,
@@ -50,15 +50,17 @@ def moe_experts_fp8(
 
 def _experts_dequantized(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, plan):
     """Without an FP8 grouped kernel: the chosen experts dequantized (few slots), else all of them."""
+    opaque = plan.opaque_fp8_casts
     if expert_ids.numel() <= gate_up_q.shape[0]:
-        return _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
-    gate_up = dequantize_experts(gate_up_q, gate_up_scale, x.dtype)
-    return moe_experts(x, weights, expert_ids, gate_up, dequantize_experts(down_q, down_scale, x.dtype), plan)
+        return _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, opaque)
+    gate_up = dequantize_experts(gate_up_q, gate_up_scale, x.dtype, opaque)
+    return moe_experts(x, weights, expert_ids, gate_up, dequantize_experts(down_q, down_scale, x.dtype, opaque), plan)
 
 
-def dequantize_experts(weight_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[E, N, K] fp8 with [E, N] scales -> [E, N, K] in dtype."""
-    return (weight_q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+def dequantize_experts(weight_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, opaque_cast: bool = False
+                       ) -> torch.Tensor:
+    """[E, N, K] fp8 with [E, N] scales -> [E, N, K] in dtype. `opaque_cast`: StepPlan.opaque_fp8_casts."""
+    return (fp8_cast(weight_q, torch.float32, opaque_cast) * scale.unsqueeze(-1)).to(dtype)
 
 
 def _gather_fp8(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -97,10 +99,11 @@ def _experts_gather_reduce_fp8(x, weights, expert_ids, gate_up_q, gate_up_scale,
     return sum(terms[1:], terms[0]).to(x.dtype)
 
 
-def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale):
+def _experts_gathered_dequant(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale, opaque: bool):
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    gate_up = dequantize_experts(_gather_fp8(gate_up_q, flat_ids), gate_up_scale.index_select(0, flat_ids), x.dtype)
-    down = dequantize_experts(_gather_fp8(down_q, flat_ids), down_scale.index_select(0, flat_ids), x.dtype)
+    gate_up = dequantize_experts(_gather_fp8(gate_up_q, flat_ids), gate_up_scale.index_select(0, flat_ids), x.dtype,
+                                 opaque)
+    down = dequantize_experts(_gather_fp8(down_q, flat_ids), down_scale.index_select(0, flat_ids), x.dtype, opaque)
     return slot_matvecs(x, weights, gate_up, down)
 
 

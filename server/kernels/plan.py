@@ -49,7 +49,8 @@ class StepPlan:
     # decoder layer compiles once as a region), and the winners' softmax pointwise over their k columns.
     fused_top_k: bool
     pointwise_winners_softmax: bool
-    # kernels.compat: the private aten spellings (torch._scaled_mm, ...), which dynamo traces; eager the public F ops.
+    # kernels.compat: the private aten spellings (torch._scaled_mm, ...), which dynamo traces, where the probe
+    # found them (torch 2.15 has no torch._scaled_mm on MPS); eager, and traced elsewhere, the public F ops.
     private_ops: bool
     # models.layers.apply_rope: partial rotary as one expression over the whole head (stays in the norm's kernel).
     partial_rope_whole_head: bool
@@ -71,6 +72,9 @@ class StepPlan:
     # kernels.affine: packed int4/int8 weights read inside one reduction (one-token linears, the experts' slots)
     # where the step is compiled; eager, the reference dequantizes and multiplies.
     affine_reduction: bool = False
+    # kernels.fp8.fp8_cast: casts to and from float8 as calls of the device's cast kernel, where the compiled step's
+    # code generator has no float8 type (inductor's Metal backend in torch 2.15); else generated with their neighbours.
+    opaque_fp8_casts: bool = False
 
     def for_inline_call(self) -> StepPlan:
         """The plan of a layer traced inline in a step that compiles its others as regions: no fused top-k there."""
@@ -102,7 +106,7 @@ def build_step_plan(caps: Capabilities, device: torch.device | str, dtype: torch
     return StepPlan(
         catch_fast_path_failures=not traced,
         row_reduction_linear=traced and kind == "cuda",
-        fp8_weight_only=traced and caps.fp8_weight_only.ok,
+        fp8_weight_only=traced and caps.fp8_weight_only.ok and caps.fp8_codegen.ok,
         fp8_rowwise=caps.fp8_rowwise.ok,
         fp8_rowwise_bias=caps.fp8_rowwise_bias.ok,
         grouped_mm=caps.grouped_mm(dtype, traced),
@@ -111,7 +115,7 @@ def build_step_plan(caps: Capabilities, device: torch.device | str, dtype: torch
         regions_compile_once=traced and regions_once,
         fused_top_k=traced and regions_once and not layers_inline,
         pointwise_winners_softmax=traced,
-        private_ops=traced,
+        private_ops=traced and caps.private_spellings.ok,
         partial_rope_whole_head=traced,
         fused_state_update=traced,
         shared_gate_reduction=traced,
@@ -120,6 +124,7 @@ def build_step_plan(caps: Capabilities, device: torch.device | str, dtype: torch
         flex_kv_tile=kind == "cuda",
         two_stage_argmax=kind != "cpu",
         affine_reduction=traced,
+        opaque_fp8_casts=traced and not caps.fp8_codegen.ok,
     )
 
 

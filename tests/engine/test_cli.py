@@ -43,6 +43,8 @@ def test_info_explains_the_device_choice(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "MPS:" in done.stdout and "device:" in done.stdout and "fast paths:" in done.stdout
     assert "flex_decode" not in done.stdout  # compiling probes only on request
+    # the MPS plans' ops against torch 2.15's MPS kernels (tests/kernels/test_mps_audit.py keeps the list whole)
+    assert "none would run through the CPU fallback" in done.stdout
 
 
 def test_info_compile_probes_say_whether_flex_decode_runs(tmp_path):

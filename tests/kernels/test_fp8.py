@@ -222,3 +222,22 @@ def test_fp8_experts_compile_fullgraph_decode_shape():
     weights, expert_ids = moe.route_softmax(logits, 2, True, step_plan(CPU, torch.bfloat16))
     ref = moe_fp8.moe_experts_fp8_reference(x, weights, expert_ids, gate_up_q, gate_up_scale, down_q, down_scale)
     assert _rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 20])
+def test_opaque_fp8_casts_compute_the_same_numbers(num_tokens):
+    """StepPlan.opaque_fp8_casts (compiled MPS steps: the casts as calls of the cast kernel) changes where a cast
+    runs, never its result: linear and experts bit for bit equal to the plain casts', on fresh inputs."""
+    plan = step_plan(CPU, torch.bfloat16)
+    opaque = dataclasses.replace(plan, opaque_fp8_casts=True)
+    layer = fp8.Fp8Linear(64, 48, bias=True)
+    layer.copy_from(torch.nn.Linear(64, 48).to(torch.bfloat16))
+    x = torch.randn(num_tokens, 64).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x, opaque), layer(x, plan), rtol=0, atol=0)
+    quantized = (*moe_fp8.quantize_experts(torch.randn(8, 64, 64) / 8), *moe_fp8.quantize_experts(torch.randn(8, 64, 32) / 6))
+    weights, expert_ids = moe.route_softmax(torch.randn(num_tokens, 8).to(torch.bfloat16), 2, True, plan)
+    no_grouped = dataclasses.replace(plan, fp8_grouped=False)  # MPS's form: the experts dequantized
+    want = moe_fp8.moe_experts_fp8(x, weights, expert_ids, *quantized, no_grouped)
+    got = moe_fp8.moe_experts_fp8(x, weights, expert_ids, *quantized, dataclasses.replace(no_grouped, opaque_fp8_casts=True))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert fp8.fp8_cast(x, torch.float8_e4m3fn, True).dtype == torch.float8_e4m3fn

@@ -88,3 +88,13 @@ def test_a_compiled_function_given_an_equal_plan_does_not_recompile():
     assert len(compiles) == 1
     compiled(torch.randn(3), dataclasses.replace(step_plan("cpu", torch.float32, traced=True), layers="eager"))
     assert len(compiles) == 2
+
+
+def test_traced_steps_keep_to_what_the_device_has_of_the_private_spellings_and_of_float8_codegen():
+    """torch 2.15 on MPS: no torch._scaled_mm (traced steps call the public op, whose _scaled_mm_v2 it has) and no
+    float8 type in inductor's Metal generator (casts as kernel calls, no FP8 weights read in generated code)."""
+    traced = build_step_plan(caps("mps", private_spellings=False, fp8_codegen=False), "mps", torch.bfloat16, traced=True)
+    assert not traced.private_ops and traced.opaque_fp8_casts and not traced.fp8_weight_only
+    eager = build_step_plan(caps("mps", private_spellings=False, fp8_codegen=False), "mps", torch.bfloat16, traced=False)
+    assert not eager.opaque_fp8_casts  # eager casts are the device's cast kernels already
+    assert not build_step_plan(caps("cuda"), "cuda", torch.bfloat16, traced=True).opaque_fp8_casts
