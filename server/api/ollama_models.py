@@ -102,7 +102,9 @@ async def show(request: Request) -> dict[str, Any]:
     info = {"general.architecture": arch, "general.parameter_count": model.parameter_count,
             f"{arch}.context_length": model.max_model_len, f"{arch}.embedding_length": model.hidden_size,
             f"{arch}.block_count": model.num_layers, f"{arch}.vocab_size": model.vocab_size}
-    return {"modelfile": "", "parameters": "", "template": model.chat_template or "", "details": details(model),
+    # `parameters` as a Modelfile lists them: editors (Continue) read the context length from num_ctx
+    parameters = f"num_ctx {model.max_model_len}"
+    return {"modelfile": "", "parameters": parameters, "template": model.chat_template or "", "details": details(model),
             "model_info": info, "capabilities": capabilities(model), "modified_at": state.created_at}
 
 

@@ -7,6 +7,7 @@ the server's context (`--max-model-len`, fixed at start): a larger one does not 
 shrink it. repeat_last_n is accepted, but the penalties always see the whole sequence (prompt and output).
 mirostat, typical_p and tfs_z other than their "off" values are refused: the sampler has no such stage. The
 runner's own options (num_gpu, num_thread, num_batch, use_mmap, ...) and unknown keys are ignored.
+`ignore_eos` is mps-serve's extension, as on /v1.
 Left out, a sampling option takes the server's default (as on /v1: temperature 1, no top-k, top-p or penalty),
 not Ollama's runner defaults.
 """
@@ -45,6 +46,7 @@ class Options(_Lenient):
     mirostat: int | None = None
     typical_p: float | None = None
     tfs_z: float | None = None
+    ignore_eos: bool | None = None  # mps-serve's extension, as on /v1 (benchmarks count a fixed number of tokens)
 
     def sampling_fields(self) -> dict[str, Any]:
         """The OpenAI-side request fields (vLLM's extras included) these options set; refuses what the sampler
@@ -56,7 +58,8 @@ class Options(_Lenient):
                                f"(leave it out or set {off}).", param=f"options.{name}")
         fields = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                   "seed": self.seed, "stop": self.stop, "repetition_penalty": self.repeat_penalty,
-                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty}
+                  "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                  "ignore_eos": self.ignore_eos}
         return {k: v for k, v in fields.items() if v is not None}
 
     def max_tokens(self, max_model_len: int) -> int:

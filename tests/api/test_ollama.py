@@ -175,6 +175,7 @@ def test_model_endpoints(srv: RunningServer) -> None:
     show = client.show("anything")
     assert show.capabilities == ["completion", "tools", "thinking"] and show.template.startswith("{{ messages }}")
     assert show.modelinfo["general.architecture"] == "fake" and show.modelinfo["fake.context_length"] == 4096
+    assert show.parameters == "num_ctx 4096"
     running = client.ps().models
     assert [m.model for m in running] == names and running[0].context_length == 4096 and running[0].size_vram == 0
     assert running[0].expires_at.year == 9999
@@ -251,6 +252,59 @@ def test_the_api_key_guards_api_paths() -> None:
         authed = _client(running, headers={"Authorization": "Bearer sk-test"})
         assert [m.model for m in authed.list().models] == ["fake-model"]
         assert running.get("/health").status_code == 200
+
+
+# ---- what editors and agents send (README "Editors and agents"), as their sources build the requests --------
+
+def test_continue_requests(srv: RunningServer) -> None:
+    """Continue's Ollama provider: /api/show by `name` (num_ctx read from `parameters`), chat and raw generate
+    with its options (undefined ones dropped), keep_alive in seconds; tools only with stream false."""
+    show = srv.post("/api/show", {"name": "qwen2.5-coder:7b"}).json()
+    key, value = show["parameters"].split("\n")[0].split()
+    assert key == "num_ctx" and int(value) == srv.engine.max_model_len
+    options = {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "num_predict": 3, "stop": ["```"], "num_ctx": 8192,
+               "min_p": 0.05}
+    chat = {"model": "qwen2.5-coder:7b", "messages": [{"role": "user", "content": "hi"}], "options": options,
+            "keep_alive": 1800, "stream": True}
+    lines = [json.loads(line) for line in srv.post("/api/chat", chat).text.splitlines()]
+    assert "".join(line["message"]["content"] for line in lines) == "Hello, world" and lines[-1]["done"]
+    srv.engine.script = Script(pieces=list(hermes("get_weather", {"city": "Oslo"})))
+    tools = [{"type": "function", "function": TOOLS[0]["function"]}]
+    answer = srv.post("/api/chat", {**chat, "tools": tools, "stream": False,
+                                    "options": {**options, "num_predict": -1}}).json()
+    assert answer["message"]["tool_calls"][0]["function"] == {"index": 0, "name": "get_weather",
+                                                              "arguments": {"city": "Oslo"}}
+    raw = {"model": "qwen2.5-coder:7b", "prompt": "def add(a, b):", "raw": True, "options": options,
+           "keep_alive": 1800, "stream": True}
+    lines = [json.loads(line) for line in srv.post("/api/generate", raw).text.splitlines()]
+    assert srv.engine.submitted[-1][1] == "def add(a, b):" and lines[-1]["done_reason"] == "length"
+
+
+def test_zed_and_copilot_discovery(srv: RunningServer) -> None:
+    """Zed: /api/tags, then /api/show per model for the context length and capabilities, then streamed /api/chat
+    with think and keep_alive. VS Code Copilot (BYOK Ollama): /api/version at least 0.6.4, /api/tags, /api/show;
+    its chat goes to /v1/chat/completions on the same base URL."""
+    names = [m["name"] for m in srv.get("/api/tags").json()["models"]]
+    show = srv.post("/api/show", {"model": names[0]}).json()
+    arch = show["model_info"]["general.architecture"]
+    assert show["model_info"][f"{arch}.context_length"] == srv.engine.max_model_len
+    assert {"tools", "thinking"} <= set(show["capabilities"]) and "vision" not in show["capabilities"]
+    assert tuple(map(int, srv.get("/api/version").json()["version"].split("."))) >= (0, 6, 4)
+    body = {"model": names[0], "messages": [{"role": "user", "content": "hi"}], "stream": True, "think": False,
+            "keep_alive": "5m", "options": {"num_ctx": show["model_info"][f"{arch}.context_length"], "stop": []}}
+    lines = [json.loads(line) for line in srv.post("/api/chat", body).text.splitlines()]
+    assert all(line["message"]["role"] == "assistant" for line in lines) and lines[-1]["done"]
+    out = srv.client().chat.completions.create(model=names[0], messages=body["messages"])
+    assert out.choices[0].message.content == "Hello, world!"
+
+
+def test_codex_oss_probe_and_pull(srv: RunningServer) -> None:
+    """Codex CLI --oss: the model named by -m is looked up in /v1/models (or /api/tags), and pulled through
+    /api/pull only when absent; the pull stream ends at status "success"."""
+    ids = [m["id"] for m in srv.get("/v1/models").json()["data"]]
+    assert "fake-served" in ids and "fake-served" in [m["name"] for m in srv.get("/api/tags").json()["models"]]
+    events = [json.loads(line) for line in srv.post("/api/pull", {"model": "fake-served", "stream": True}).text.splitlines()]
+    assert events[-1] == {"status": "success"}
 
 
 # ---- the demo model: the same answers as /v1 -----------------------------------------------------------------
