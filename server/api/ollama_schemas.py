@@ -4,7 +4,8 @@ to the OpenAI-side request objects the chat and completion paths already serve.
 `options`: temperature, top_p, top_k, min_p, seed, num_predict (-1 and -2: up to the context), stop,
 repeat_penalty (-> repetition_penalty), presence_penalty, frequency_penalty. num_ctx is accepted and capped at
 the server's context (`--max-model-len`, fixed at start): a larger one does not grow it, a smaller one does not
-shrink it. repeat_last_n is accepted, but the penalties always see the whole sequence (prompt and output).
+shrink it. repeat_last_n is accepted, but no window applies (repeat_penalty sees prompt and output, the presence
+and frequency penalties the output).
 mirostat, typical_p and tfs_z other than their "off" values are refused: the sampler has no such stage. The
 runner's own options (num_gpu, num_thread, num_batch, use_mmap, ...) and unknown keys are ignored.
 `ignore_eos` is mps-serve's extension, as on /v1.
