@@ -61,7 +61,7 @@ def classify(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-30b-a3b", help="a bench preset name or .toml path")
-    parser.add_argument("--quantize", default=None, choices=["fp8"])
+    parser.add_argument("--quantize", default=None, choices=["fp8", "int8", "int4"])
     parser.add_argument("--graphs", default="1")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import build_tiny, build_tiny_hybrid
+from tests.helpers import build_tiny, build_tiny_fim, build_tiny_hybrid
 
 
 def _built_once(tmp_path_factory, build: Callable[[str, Path], object]) -> Callable[[str], tuple[Path, object]]:
@@ -27,6 +27,13 @@ def _built_once(tmp_path_factory, build: Callable[[str, Path], object]) -> Calla
 def tiny_checkpoint(tmp_path_factory):
     """Factory: model_type (llama, qwen3, qwen3_moe) -> (path, hf_model), cached per session."""
     return _built_once(tmp_path_factory, build_tiny)
+
+
+@pytest.fixture(scope="session")
+def tiny_fim_checkpoint(tmp_path_factory):
+    """(path, hf_model): a tiny qwen3 whose tokenizer carries Qwen2.5-Coder's FIM tokens (helpers.build_tiny_fim)."""
+    path = tmp_path_factory.mktemp("fim")
+    return path, build_tiny_fim(path)
 
 
 @pytest.fixture(scope="module")

@@ -82,19 +82,46 @@ def merged_state(path) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_byte_tokenizer(model_dir: Path, eos_token_id: int = 2) -> None:
-    """A 256-token byte-level BPE with no merges: ids match the tiny models' vocab of 256."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def write_byte_tokenizer(model_dir: Path, eos_token_id: int = 2, added_tokens: tuple[str, ...] = ()) -> None:
+    """A 256-token byte-level BPE with no merges: ids match the tiny models' vocab of 256. `added_tokens` take ids
+    256, 257, ... (an eos_token_id among them names one)."""
+    tok = byte_tokenizer(added_tokens)
+    tok.save(str(model_dir / "tokenizer.json"))
+    eos = tok.id_to_token(eos_token_id)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def byte_tokenizer(added_tokens: tuple[str, ...] = ()):
+    """The byte-level BPE of write_byte_tokenizer (a `tokenizers.Tokenizer`), `added_tokens` from id 256 on."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.save(str(model_dir / "tokenizer.json"))
-    eos = next(ch for ch, i in vocab.items() if i == eos_token_id)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    return tok
+
+
+# Qwen2.5-Coder's end-of-text, fill-in-the-middle and repository tokens, in its order
+QWEN_CODER_TOKENS = ("<|endoftext|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+                     "<|repo_name|>", "<|file_sep|>")
+
+
+def build_tiny_fim(out_dir: Path, seed: int = 0):
+    """A tiny random qwen3 whose byte tokenizer carries Qwen2.5-Coder's FIM tokens (ids 256-262; EOS
+    <|endoftext|>). Returns the HF model (fp32, eval)."""
+    cfg_cls, model_cls, kwargs = tiny_configs()["qwen3"]
+    cfg = cfg_cls(**{**kwargs, "vocab_size": 256 + len(QWEN_CODER_TOKENS), "eos_token_id": 256})
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    randomize(model, seed)
+    model.save_pretrained(out_dir)
+    write_byte_tokenizer(out_dir, eos_token_id=256, added_tokens=QWEN_CODER_TOKENS)
+    return model
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:

@@ -17,6 +17,7 @@ from server.api import (
     anthropic_output,
     anthropic_routes,
     embeddings,
+    infill,
     ollama_models,
     ollama_output,
     ollama_routes,
@@ -57,6 +58,7 @@ def create_app(
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(embeddings.router)
+    app.include_router(infill.router)
     app.include_router(ollama_routes.router)
     app.include_router(ollama_models.router)
     app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)

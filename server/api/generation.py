@@ -15,7 +15,7 @@ import anyio
 from server.api.metrics import Metrics
 from server.api.offload import Offloader, input_chars
 from server.engine.protocol import RequestHandle, ServingEngine
-from server.engine.types import QueueFullError, SamplingParams, StreamDelta
+from server.engine.types import InfillPrompt, QueueFullError, SamplingParams, StreamDelta
 
 KEEPALIVE = None  # yielded by Generation.events() when nothing arrived for keepalive_s
 _TICK = (None, None)  # what the keepalive timer queues in place of a (choice, item) pair
@@ -37,7 +37,7 @@ class Choice:
 
 async def submit_choices(
     engine: ServingEngine,
-    prompts: list[str | list[int]],
+    prompts: list[str | list[int] | InfillPrompt],
     params: SamplingParams,
     *,
     n: int,

@@ -16,10 +16,9 @@ from server.api.ollama_output import OLLAMA_ROUTE_PREFIX
 from server.api.ollama_output import error_response as ollama_error_response
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-             "/v1/models", "/health", "/metrics", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings",
-             "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/api/delete")
-# The prefixes behind the API key: OpenAI's, Anthropic's and Ollama's APIs
-_PROTECTED = ("/v1", OLLAMA_ROUTE_PREFIX + "/")
+             "/v1/models", "/infill", "/health", "/metrics", "/api/chat", "/api/generate", "/api/embed",
+             "/api/embeddings", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/api/delete")
+PROTECTED = ("/v1", "/infill", OLLAMA_ROUTE_PREFIX + "/")  # what --api-key guards
 
 
 # Clients configured with the server's root as their base URL (no /v1) send these paths.
@@ -41,15 +40,15 @@ class UnversionedPathMiddleware:
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/* and /api/*, compared in
-    constant time; /health and /metrics stay open."""
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/*, /infill and /api/*,
+    compared in constant time; /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED) and scope["method"] != "OPTIONS":
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and scope["method"] != "OPTIONS":
             headers = Headers(scope=scope)
             error = self._check(headers.get("authorization"), headers.get("x-api-key"))
             if error is not None:

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from server.engine.types import InfillPrompt
+
 T = TypeVar("T")
 OFF_LOOP_CHARS = 1 << 15  # inputs at least this long leave the event loop
 NUM_WORKERS = 2
@@ -54,13 +56,15 @@ def _outcome(function: Callable[..., T], args: tuple, kwargs: dict) -> tuple[T |
 
 
 def input_chars(value: Any) -> int:
-    """Characters of text in a prompt (a string or token ids) or in JSON-like request data, counted without
+    """Characters of text in a prompt (a string, token ids or a fill-in-the-middle prompt) or in JSON-like request data, counted without
     recursion (the body's nesting is bounded already, but this stays cheap on any shape)."""
     total, stack = 0, [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             total += len(item)
+        elif isinstance(item, InfillPrompt):
+            stack.extend(item.texts())
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list | tuple):

@@ -36,7 +36,7 @@ from server.api.state import ServingState
 from server.api.streaming import ResponseContext, collect_chat, collect_completion, stream_chat, stream_completion
 from server.api.structured import chat_constraint, response_format_output
 from server.engine.protocol import ServingEngine
-from server.engine.types import InvalidRequestError, SamplingParams
+from server.engine.types import InfillPrompt, InvalidRequestError, SamplingParams
 
 logger = logging.getLogger("mps_serve.api")
 router = APIRouter()
@@ -96,14 +96,16 @@ def validate_params(params: SamplingParams, renamed: dict[str, str] | None = Non
 async def start_generation(
     state: ServingState,
     engine: ServingEngine,
-    prompts: list[str | list[int]],
+    prompts: list[str | list[int] | InfillPrompt],
     params: SamplingParams,
     *,
     n: int,
     request_id: str,
     started_at: float,
     prompt_param: str,
+    param_names: dict[str, str] | None = None,
 ) -> Generation:
+    """`param_names`: how the request spells fields that engine errors name otherwise."""
     try:
         choices = await submit_choices(
             engine, prompts, params, n=n, request_id=request_id, max_waiting=state.config.max_waiting_requests,
@@ -111,7 +113,7 @@ async def start_generation(
         )
     except Exception as exc:
         # the prompt is `messages` or `prompt`, whichever the request sent
-        names = {"messages": prompt_param, "prompt": prompt_param}
+        names = {"messages": prompt_param, "prompt": prompt_param, **(param_names or {})}
         raise with_param_names(_named_prompt(from_engine_error(exc, about_input=True), prompt_param), names) from None
     generation = Generation(choices, state.metrics, started_at)
     state.active.add(generation)
@@ -201,13 +203,13 @@ async def completions(request: Request) -> Response:
 
 
 async def start_completion(state: ServingState, engine: ServingEngine, req: CompletionRequest, started_at: float,
-                           reasoning: str = "none", renamed: dict[str, str] | None = None) -> ResponseContext:
-    """A text completion submitted (Ollama's /api/generate comes here too); the context its response is built
-    from. `reasoning`: how a response_format constraint treats reasoning first (structured.reasoning_mode);
-    `renamed`: request field names as the caller's protocol spells them."""
+                           reasoning: str = "none") -> ResponseContext:
+    """A text completion submitted, fill-in-the-middle with a suffix (Ollama's /api/generate and /api/chat come
+    here too); the context its response is built from. `reasoning`: how a response_format constraint treats
+    reasoning first (structured.reasoning_mode)."""
     prompts = req.prompts()
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
-    validate_params(params, renamed)
+    validate_params(params, {"max_predict_ms": "t_max_predict_ms"})
     if req.response_format is not None:
         params.structured = response_format_output(req.response_format, reasoning=reasoning)
     echo_prompts: list[str] = []

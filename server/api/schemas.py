@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server.api.errors import APIError
-from server.engine.types import SamplingParams
+from server.engine.types import InfillPrompt, SamplingParams
 
 MAX_CHOICES = 64  # n x prompts per request; each choice is one engine request
 
@@ -189,8 +189,21 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    t_max_predict_ms: float | None = None  # llama.cpp's name: the generation's time budget, 0 or none for none
 
-    def prompts(self) -> list[str | list[int]]:
+    def prompts(self) -> list[str | list[int] | InfillPrompt]:
+        """The prompts to complete; with a non-empty suffix, fill-in-the-middle prompts (text only)."""
+        prompts = self._plain_prompts()
+        if not self.suffix:
+            return prompts
+        if self.echo:
+            raise APIError(400, "echo is not supported with suffix (fill-in-the-middle): the answer is the middle "
+                                "only; the client already holds the prompt and the suffix.", param="echo")
+        if not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "suffix (fill-in-the-middle) needs text prompts, not token ids.", param="prompt")
+        return [InfillPrompt(prefix=p, suffix=self.suffix) for p in prompts]  # type: ignore[arg-type]
+
+    def _plain_prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
@@ -204,14 +217,14 @@ class CompletionRequest(_SamplingRequest):
         return list(prompt)  # type: ignore[arg-type]
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        if self.suffix:
-            raise APIError(400, "suffix (fill-in-the-middle) is not supported.", param="suffix")
         if self.best_of not in (None, 1, self.n):
             raise APIError(400, "best_of other than n is not supported.", param="best_of")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo with logprobs is not supported (no prompt logprobs).", param="echo")
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        params = self._sampling_params(max_tokens, self.logprobs)
+        params.max_predict_ms = time_budget(self.t_max_predict_ms)
+        return params
 
 
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # as OpenAI and Anthropic accept them
@@ -231,6 +244,14 @@ def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
     if properties is not None and not isinstance(properties, dict):
         raise APIError(400, f"{where}.properties must be an object mapping parameter names to JSON schemas.",
                        param=where)
+
+
+def time_budget(t_max_predict_ms: float | None) -> float | None:
+    """llama.cpp's t_max_predict_ms as SamplingParams.max_predict_ms: 0 (its default) and none mean no budget."""
+    if t_max_predict_ms is not None and t_max_predict_ms < 0:
+        raise APIError(400, f"t_max_predict_ms must be >= 0 (0: no time budget), got {t_max_predict_ms}.",
+                       param="t_max_predict_ms")
+    return t_max_predict_ms or None
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -96,7 +96,7 @@ def twin_stages(spec: dict) -> tuple[list[str], list]:
         flex_probe.probe_compiled(str(device), dtype, config.cache.block_size)
     fill_caches_on_compile()
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8"])
+    model = fake_model(spec["hf_config"], device, dtype, fake_mode, spec["fp8"], spec.get("affine_layout"))
     with fake_mode:
         parts = build_parts(model, config, device, dtype, spec["max_model_len"], lambda _: spec["num_kv_blocks"])
         steps = build_steps(model, config, parts, device, dtype, spec["max_model_len"], serving=False)
@@ -139,12 +139,16 @@ def fill_caches_on_compile() -> None:
     torch.compile = compile_filling
 
 
-def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8: bool):
-    """The model on the meta device (in its FP8 form with `fp8`), each parameter and buffer then a FakeTensor of
-    its shape, stride and dtype on `device`; tied weights stay one tensor."""
+def fake_model(hf_config: dict, device: torch.device, dtype: torch.dtype, fake_mode, fp8: bool,
+               affine_layout: dict | None = None):
+    """The model on the meta device (in its FP8 form with `fp8`, its affine-quantized form with `affine_layout`:
+    models.affine_quant.swap_to_affine's record), each parameter and buffer then a FakeTensor of its shape, stride
+    and dtype on `device`; tied weights stay one tensor."""
     from server.engine.weights import empty_model
+    from server.models.affine_quant import layout_spec
 
-    model = empty_model(hf_config, "meta", dtype, "fp8" if fp8 else None)
+    affine_spec = None if affine_layout is None else (lambda _: layout_spec(affine_layout))
+    model = empty_model(hf_config, "meta", dtype, "fp8" if fp8 else None, affine_spec=affine_spec)
     fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta) -> (meta, kept alive: ids stay unique; fake)
     with fake_mode:
         for module in model.modules():

@@ -108,6 +108,7 @@ def child_spec(model: nn.Module, config: EngineConfig, device: torch.device, dty
     return {"hf_config": hf_config, "config": dataclasses.asdict(config), "device": str(device),
             "dtype": str(dtype).removeprefix("torch."), "max_model_len": max_model_len,
             "num_kv_blocks": num_kv_blocks, "fp8": has_fp8_linears(model),
+            "affine_layout": getattr(model, "affine_layout", None),
             "num_threads": torch.get_num_threads(), "torch_version": torch.__version__,
             "source": source_fingerprint()}
 

@@ -24,6 +24,7 @@ from server.engine.types import (
     ChatPrompt,
     EngineError,
     EngineStats,
+    InfillPrompt,
     InvalidRequestError,
     ModelDescription,
     QueueFullError,
@@ -148,7 +149,7 @@ class AsyncEngine:
     def count_tokens(self, prompt: str) -> int:
         return len(self.engine.inputs.encode_prompt(prompt))
 
-    def submit(self, prompt: str | list[int], params: SamplingParams,
+    def submit(self, prompt: str | list[int] | InfillPrompt, params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
         num_waiting = self._stats.num_waiting + self._num_pending
         if num_waiting >= self.max_waiting_requests:

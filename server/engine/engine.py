@@ -40,6 +40,7 @@ from server.engine.tokenizer import Tokenizer
 from server.engine.types import (
     EngineStats,
     FinishReason,
+    InfillPrompt,
     ModelDescription,
     RequestOutput,
     SamplingParams,
@@ -68,7 +69,7 @@ class Engine:
         self.scheduler = parts.scheduler
         self.steps = steps or EagerSteps(parts.runner)
         self.inputs = Inputs(tokenizer, self.vocab_size, max_model_len)
-        self.outputs = OutputAssembler(tokenizer, self.scheduler.finish)
+        self.outputs = OutputAssembler(tokenizer, self._finish_early)
         self._score_logits: dict[str, list[torch.Tensor]] = {}  # score(): chunks of all-position logits
         self._num_prompt_tokens = 0
         self._in_flight: InFlightStep | None = None  # the launched step whose sampled ids have not been read yet
@@ -251,11 +252,16 @@ class Engine:
     def _finish_grammar(self, request: Request) -> None:
         """The output is complete in its grammar: the request ends ("stop"), the next token in flight is dropped.
         A grammar that refused the token instead ends it with "error" and the refusal (the text is partial)."""
-        while request.token_ids[-1] == PLACEHOLDER:
-            request.token_ids.pop()
         request.error = request.grammar.refusal
         reason = FinishReason.STOP if request.error is None else FinishReason.ERROR
-        self.scheduler.finish(request, reason.value)
+        self._finish_early(request, reason.value)
+
+    def _finish_early(self, request: Request, reason: str) -> None:
+        """End a request on a token already resolved (a stop string, the grammar, the time budget): the tokens
+        launched after it are dropped, so they are neither output nor counted."""
+        while request.token_ids[-1] == PLACEHOLDER:
+            request.token_ids.pop()
+        self.scheduler.finish(request, reason)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -272,8 +278,8 @@ class Engine:
 
     # ---- convenience API ----------------------------------------------------------------------
     def generate(self, prompt, params: SamplingParams | None = None):
-        """One prompt (str or token ids) -> RequestOutput; a list of prompts -> a list, run as one batch."""
-        single = isinstance(prompt, str) or (len(prompt) > 0 and isinstance(prompt[0], int))
+        """One prompt (str, token ids or an InfillPrompt) -> RequestOutput; a list of prompts -> a list, run as one batch."""
+        single = isinstance(prompt, str | InfillPrompt) or (len(prompt) > 0 and isinstance(prompt[0], int))
         prompts = [prompt] if single else list(prompt)
         params = params or SamplingParams()
         results = self.run_to_completion([self.inputs.make_request(p, replace(params)) for p in prompts])

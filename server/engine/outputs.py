@@ -4,6 +4,7 @@ deltas of a request then make its RequestOutput."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,16 @@ class _RequestText:
     detokenizer: IncrementalDetokenizer | _NoText
     stop: StopStringMatcher
     wants_logprobs: bool
+    deadline: float | None = None  # when the prediction budget ends (monotonic s), set at the first token
+
+    def past_budget(self, budget_ms: float | None) -> bool:
+        """The request's max_predict_ms has passed since its first token (the first call is that token)."""
+        if budget_ms is None:
+            return False
+        now = time.monotonic()
+        if self.deadline is None:
+            self.deadline = now + budget_ms / 1000
+        return now >= self.deadline
 
 
 class OutputAssembler:
@@ -52,12 +63,18 @@ class OutputAssembler:
         """The delta of one new token: the text it completes, none of a possible stop string's start, all that
         was held back once the request finished."""
         state = self.live[request.request_id]
-        emit, stopped = state.stop.push(state.detokenizer.add([token.token_id]))
+        # a stop token's own text is not output (as vLLM): a non-special one (a FIM pad) would show as markup
+        hidden = (request.finish_reason == "stop" and token.token_id in request.stop_token_ids
+                  and not request.params.include_stop_str_in_output)
+        emit, stopped = state.stop.push(state.detokenizer.add([] if hidden else [token.token_id]))
         if stopped:
             self.finish(request, "stop")
-        elif request.is_finished:
-            tail, stopped = state.stop.push(state.detokenizer.flush())
-            emit += tail + ("" if stopped else state.stop.flush())
+        else:
+            if not request.is_finished and state.past_budget(request.params.max_predict_ms):
+                self.finish(request, "length")
+            if request.is_finished:
+                tail, stopped = state.stop.push(state.detokenizer.flush())
+                emit += tail + ("" if stopped else state.stop.flush())
         if request.is_finished:
             del self.live[request.request_id]
         logprobs = [self._logprob(token)] if state.wants_logprobs else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from server.engine.types import EngineStats, ModelDescription, SamplingParams, StreamDelta
+from server.engine.types import EngineStats, InfillPrompt, ModelDescription, SamplingParams, StreamDelta
 
 
 class RequestHandle(Protocol):
@@ -50,8 +50,8 @@ class ServingEngine(Protocol):
     def count_tokens(self, prompt: str) -> int:
         """How many tokens `prompt` (e.g. a render_chat result) is, as submit() would encode it."""
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        """Queue a request. Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
+    def submit(self, prompt: str | list[int] | InfillPrompt, params: SamplingParams, request_id: str | None = None) -> RequestHandle:
+        """Queue a request (an InfillPrompt: fill in the middle). Raises InvalidRequestError (incl. ContextLengthExceededError) or QueueFullError
         synchronously, before anything is streamed. Thread-safe once start() ran: the HTTP layer tokenizes large
         prompts on a worker thread."""
 

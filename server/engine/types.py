@@ -118,6 +118,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # the output follows this grammar; compiled by the engine
+    # the prediction phase's time budget, counted from the first generated token: once it has passed, the request
+    # ends with finish_reason "length" (llama.cpp's t_max_predict_ms, without its wait for a newline)
+    max_predict_ms: float | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         def bad(param: str, msg: str) -> None:
@@ -148,6 +151,8 @@ class SamplingParams:
                 bad("logit_bias", f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size}).")
             if not -100 <= bias <= 100:
                 bad("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}.")
+        if self.max_predict_ms is not None and not (math.isfinite(self.max_predict_ms) and self.max_predict_ms > 0):
+            bad("max_predict_ms", f"the time budget must be a positive number of milliseconds, got {self.max_predict_ms}.")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 bad("stop_token_ids", f"stop token id {token_id} is outside the vocabulary [0, {vocab_size}).")
@@ -237,6 +242,29 @@ class ModelDescription:
 # The compiled steps: nothing to compile; compiled on first use; being built beside serving; in use; failed
 # (serving stays on the eager path)
 COMPILE_STATES = ("off", "lazy", "compiling", "ready", "failed")
+
+
+@dataclass(frozen=True)
+class InfillFile:
+    """One file of repository context for a fill-in-the-middle prompt (llama.cpp's input_extra item)."""
+
+    filename: str
+    text: str
+
+
+@dataclass(frozen=True)
+class InfillPrompt:
+    """A fill-in-the-middle prompt: the text before the cursor, the text after it, and optionally other files of
+    the repository as context. The engine lays it out with the model's own FIM tokens (engine.fim) and refuses it
+    when the tokenizer has none. Submit it wherever a prompt goes (`submit`, `generate`)."""
+
+    prefix: str
+    suffix: str
+    files: tuple[InfillFile, ...] = ()
+
+    def texts(self) -> list[str]:
+        """Every piece of text it carries (for sizing the work of tokenizing it)."""
+        return [self.prefix, self.suffix, *(f.filename for f in self.files), *(f.text for f in self.files)]
 
 
 class ChatPrompt(str):

@@ -15,11 +15,14 @@ with the float32 scale and bias, which are only then rounded to the model dtype.
 `mx.dequantize` does: for the same packed tensors our weights equal MLX's bit for bit.
 
 Products take their form as an argument (`form`); which form runs is decided by the caller's step plan:
-- "reference": dequantize the whole weight and call F.linear (any token count, any device, eager).
-- "reduction": one reduction over K in float32 that unpacks and scales inside the accumulation
-  (sum_g scale_g * sum_k x_k q_k + bias_g * sum_k x_k): the one-token decode form for torch.compile, where
-  inductor emits one kernel that reads the packed weight once. Eager it materializes [M, N, K]: use it compiled,
-  at one token.
+- "reference": dequantize the whole weight and call F.linear (any token count, any device); the experts' twin
+  loops over the experts that were hit (host syncs: tests and the self-check only).
+- "reduction": one float32 reduction over K whose weight operand is the dequantized expression of the packed
+  words (unpacked and scaled inside the accumulation): the one-token decode form for torch.compile, where
+  inductor emits one kernel that reads the packed weight once (for experts, only the routed experts' rows).
+  Eager it materializes [M, N, K]: use it compiled, at few tokens.
+- "grouped" (experts): the stacks dequantized to the model dtype, then the model dtype's experts kernel
+  (kernels/moe: grouped_mm where the plan has it): prefill and batched decode, sync-free.
 """
 
 from __future__ import annotations
@@ -27,9 +30,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from server.kernels import moe
+from server.kernels.gemv import stored
+from server.kernels.plan import StepPlan
+
 SUPPORTED_BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-FORMS = ("reference", "reduction")
+LINEAR_FORMS = ("reference", "reduction")
+EXPERT_FORMS = ("reference", "reduction", "grouped")
 _EPS = 1e-7
 _ROW_CHUNK = 4096  # rows quantized at a time, so the float32 copy of a big weight never exists whole
 
@@ -127,7 +135,7 @@ def affine_linear(
         return affine_linear_reference(x, q, scales, biases, group_size, bits, bias)
     if form == "reduction":
         return affine_linear_reduction(x, q, scales, biases, group_size, bits, bias)
-    raise ValueError(f"unknown affine linear form {form!r}; one of {FORMS}")
+    raise ValueError(f"unknown affine linear form {form!r}; one of {LINEAR_FORMS}")
 
 
 def affine_linear_reference(x, q, scales, biases, group_size, bits, bias=None):
@@ -137,18 +145,25 @@ def affine_linear_reference(x, q, scales, biases, group_size, bits, bias=None):
 
 
 def affine_linear_reduction(x, q, scales, biases, group_size, bits, bias=None):
-    """One reduction over K in float32 that unpacks q inside it and applies each group's scale and bias after
-    the group's partial sum: sum_g (scale_g * sum_k x_k q_k + bias_g * sum_k x_k). Written for torch.compile at
-    one token (inductor lowers it to one kernel reading the packed weight once); eager it is correct but
-    materializes [M, N, K]."""
-    lead, in_features = x.shape[:-1], x.shape[-1]
-    xg = x.reshape(-1, 1, in_features // group_size, group_size).float()  # [M, 1, G, gs]
-    values = unpack(q, bits).view(1, q.shape[0], -1, group_size)  # [1, N, G, gs]
-    dot = (xg * values.float()).sum(-1)  # [M, N, G]
-    out = (dot * scales.float() + xg.sum(-1) * biases.float()).sum(-1)  # [M, N]
+    """One float32 reduction over K of x against the dequantized expression of q (for torch.compile at one
+    token: inductor folds the unpacking and the groups' scales and biases into the reduction's weight loads, one
+    kernel reading the packed weight once); eager it is correct but materializes [M, N, K]."""
+    # x stored first and the output after: else inductor inlines x's producer (a norm, attention's combine) into
+    # the reduction, recomputed per output row, and the output into each reader
+    x = stored(x)
+    out = (x.float().unsqueeze(-2) * dequantized_rows(q, scales, biases, group_size, bits)).sum(-1)  # [..., N]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*lead, q.shape[0])
+    return stored(out.to(x.dtype))
+
+
+def dequantized_rows(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group_size: int, bits: int
+                     ) -> torch.Tensor:
+    """Packed [..., P] -> float32 [..., K], q * scale + bias unrounded: the weight operand of the reductions (under
+    torch.compile an expression inlined into their loads, never stored)."""
+    values = unpack(q, bits)
+    groups = values.view(*values.shape[:-1], -1, group_size).float()  # [..., G, gs]
+    return (groups * scales.float().unsqueeze(-1) + biases.float().unsqueeze(-1)).view(values.shape)
 
 
 def affine_embedding(ids: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
@@ -173,15 +188,21 @@ def affine_experts(
     gate_up_format: Format,
     down_format: Format,
     form: str = "reference",
+    plan: StepPlan | None = None,
 ) -> torch.Tensor:
     """y[t] = sum_j weights[t, j] * down_e(silu(gate_e x[t]) * up_e x[t]), e = expert_ids[t, j] -> [T, H] in x.dtype,
     each expert's weights dequantized from the packed form (MLX's SwitchGLU with QuantizedSwitchLinear); a
-    projection whose format is None is a float [E, N, K] tensor (SwitchLinear)."""
+    projection whose format is None is a float [E, N, K] tensor (SwitchLinear). `plan`: the step's, which the
+    "grouped" form hands to the model dtype's experts kernel."""
+    if form == "grouped":
+        gate_up_w, down_w = (_expert_weight(w, fmt, slice(None)).to(x.dtype)
+                             for w, fmt in ((gate_up, gate_up_format), (down, down_format)))
+        return moe.moe_experts(x, weights, expert_ids, gate_up_w, down_w, plan)
     if form == "reference":
         return affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_format, down_format)
     if form == "reduction":
         return affine_experts_reduction(x, weights, expert_ids, gate_up, down, gate_up_format, down_format)
-    raise ValueError(f"unknown affine experts form {form!r}; one of {FORMS}")
+    raise ValueError(f"unknown affine experts form {form!r}; one of {EXPERT_FORMS}")
 
 
 def _expert_weight(weight, fmt: Format, index) -> torch.Tensor:
@@ -207,31 +228,20 @@ def affine_experts_reference(x, weights, expert_ids, gate_up, down, gate_up_form
 
 
 def affine_experts_reduction(x, weights, expert_ids, gate_up, down, gate_up_format, down_format):
-    """Sync-free: each token-expert slot reads only its expert's packed rows (gathered by id) and multiplies them
-    in affine_linear_reduction's form, in float32. For torch.compile at decode sizes (few slots), where inductor
-    folds the gathers into the reductions; eager it materializes [T*k, 2I, H]."""
-    num_tokens, top_k = expert_ids.shape
+    """Sync-free, in the model dtype's gather-reduce shape (kernels/moe): each token-expert slot reads only its
+    expert's packed rows (gathered by id), dequantized inside the reductions, gate and up as two reductions with
+    the SwiGLU as their epilogue, down and the routed sum as one. For torch.compile at decode sizes (few slots);
+    eager it materializes [T*k, 2I, H]."""
     flat_ids = expert_ids.reshape(-1)  # [T*k]
-    x_slots = x.unsqueeze(1).expand(num_tokens, top_k, x.shape[-1]).reshape(-1, 1, x.shape[-1])  # [T*k, 1, H]
-    hidden = _slot_product(x_slots, gate_up, gate_up_format, flat_ids)  # [T*k, 2I]
-    inter = hidden.shape[-1] // 2
-    act = (F.silu(hidden[:, :inter]) * hidden[:, inter:]).to(x.dtype)  # rounded as the model dtype's SwiGLU
-    y = _slot_product(act.unsqueeze(1), down, down_format, flat_ids)  # [T*k, H]
-    y = y.to(x.dtype).float().view(num_tokens, top_k, -1)
-    return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
+    x_slots = moe.token_slots(x, expert_ids.shape[1]).unsqueeze(1)  # [T*k, 1, H]
+    inter = (gate_up[0] if gate_up_format is not None else gate_up).shape[1] // 2
+    act = moe.swiglu_of_halves(lambda rows: _gathered(gate_up, gate_up_format, flat_ids, rows), inter, x_slots)
+    return moe.down_and_combine(_gathered(down, down_format, flat_ids), act, weights).to(x.dtype)
 
 
-def _slot_product(x_slots, weight, fmt: Format, flat_ids) -> torch.Tensor:
-    """x_slots [S, 1, K] against each slot's expert rows of `weight` -> [S, N] float32."""
+def _gathered(weight, fmt: Format, flat_ids: torch.Tensor, rows: slice = slice(None)) -> torch.Tensor:
+    """Rows `rows` of each slot's expert in float32 [T*k, n, K]: gathered first, then dequantized, so that under
+    torch.compile only the routed experts' packed words are read."""
     if fmt is None:
-        return (x_slots.float() * weight[flat_ids].float()).sum(-1)  # [S, N, K] -> [S, N]
-    return _slot_reduction(x_slots, *(t[flat_ids] for t in weight), *fmt)
-
-
-def _slot_reduction(x_slots, q, scales, biases, group_size, bits):
-    """x_slots [S, 1, K] against per-slot packed weights q [S, N, P] -> [S, N] float32, unpacked in the reduction."""
-    num_slots, _, in_features = x_slots.shape
-    xg = x_slots.float().view(num_slots, 1, in_features // group_size, group_size)  # [S, 1, G, gs]
-    values = unpack(q, bits).view(num_slots, q.shape[1], -1, group_size)  # [S, N, G, gs]
-    dot = (xg * values.float()).sum(-1)  # [S, N, G]
-    return (dot * scales.float() + xg.sum(-1) * biases.float()).sum(-1)
+        return weight[:, rows][flat_ids].float()
+    return dequantized_rows(*(t[:, rows][flat_ids] for t in weight), *fmt)

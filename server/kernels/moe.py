@@ -25,6 +25,7 @@ max-then-mask, which inductor fuses into one kernel.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -226,17 +227,29 @@ def token_slots(x: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def slot_swiglu(gate_up: torch.Tensor, flat_ids: torch.Tensor, x_slots: torch.Tensor,
                 gate_up_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of each token-expert slot -> [T*k, I] float32, gate and up as two reductions over H of the
-    same output shape: inductor runs them as one kernel with the SwiGLU as its epilogue, where one reduction over
-    [T*k, 2I] leaves the SwiGLU (which pairs two of its outputs) to a kernel of its own. Each half is gathered
-    for its own reduction: one gathered expression read by both would be stored, a copy of the weights. The
-    output is stored: the down reduction would otherwise inline it and evaluate the SiLU per weight element.
-    gate_up [E, 2I, H], flat_ids [T*k], x_slots [T*k, 1, H], gate_up_scale [E, 2I] (FP8 row scales) or None."""
-    inter = gate_up.shape[1] // 2
+    """silu(gate) * up of each token-expert slot -> [T*k, I] float32 (swiglu_of_halves), each half of the chosen
+    experts' rows gathered for its own reduction. gate_up [E, 2I, H], flat_ids [T*k], x_slots [T*k, 1, H],
+    gate_up_scale [E, 2I] (FP8 row scales, applied after the reduction) or None."""
+
+    def half(rows: slice) -> torch.Tensor:
+        return gate_up[:, rows][flat_ids].float()
+
+    scale = None if gate_up_scale is None else (lambda rows: gate_up_scale[:, rows][flat_ids])
+    return swiglu_of_halves(half, gate_up.shape[1] // 2, x_slots, scale)
+
+
+def swiglu_of_halves(half: Callable[[slice], torch.Tensor], inter: int, x_slots: torch.Tensor,
+                     row_scale: Callable[[slice], torch.Tensor] | None = None) -> torch.Tensor:
+    """silu(gate) * up of each slot -> [T*k, I] float32, gate and up as two reductions over H of the same output
+    shape: inductor runs them as one kernel with the SwiGLU as its epilogue, where one reduction over [T*k, 2I]
+    leaves the SwiGLU (which pairs two of its outputs) to a kernel of its own. `half(rows)` is each slot's
+    weight rows [T*k, n, H] in float32, an expression gathered for its own reduction (one gathered expression read
+    by both would be stored, a copy of the weights). The output is stored: the down reduction would otherwise
+    inline it and evaluate the SiLU per weight element."""
     halves = []
     for rows in (slice(0, inter), slice(inter, None)):
-        half = (gate_up[:, rows][flat_ids].float() * x_slots.float()).sum(-1)  # [T*k, I]
-        halves.append(half if gate_up_scale is None else half * gate_up_scale[:, rows][flat_ids])
+        product = (half(rows) * x_slots.float()).sum(-1)  # [T*k, I]
+        halves.append(product if row_scale is None else product * row_scale(rows))
     return stored(F.silu(halves[0]) * halves[1])
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from server.kernels import affine
+from server.kernels import affine, moe
 from server.kernels.plan import StepPlan
 from server.models.layers import FusedExperts, MergedLinear
 
@@ -164,22 +164,37 @@ class AffineFusedExperts(_Packed):
         return self.packed(prefix), (fmt.group_size, fmt.bits)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        # The reference loops over the hit experts (host syncs): never in a compiled step, nor in an eager decode step
-        # (few tokens), where the sync-free reduction's per-slot temporaries stay small.
-        sync_free = plan.affine_reduction or x.shape[0] <= SYNC_FREE_MAX_TOKENS
-        form = "reduction" if sync_free else "reference"
         (gate_up, gate_up_format), (down, down_format) = self.part("gate_up_"), self.part("down_")
-        return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form)
+        form = experts_form(plan, expert_ids, self.num_experts)
+        return affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_format, down_format, form, plan)
 
 
-SYNC_FREE_MAX_TOKENS = 16  # an eager step of at most this many tokens (decode) runs the experts without host syncs
+def experts_form(plan: StepPlan, expert_ids: torch.Tensor, num_experts: int) -> str:
+    """Decode-sized steps (few slots) read only the routed experts' packed rows in one reduction; larger ones
+    dequantize the stacks and run the model dtype's experts kernel (both sync-free). A compiled decoder layer
+    whose symbolic token count has few slots only at its smallest value takes the latter without a guard
+    (kernels/moe.few_slots_only_at_fewest)."""
+    num_tokens, top_k = expert_ids.shape
+    if plan.regions_compile_once and moe.few_slots_only_at_fewest(num_tokens, top_k, num_experts):
+        return "grouped"
+    return "reduction" if moe.few_slots(num_tokens * top_k, num_experts) else "grouped"
 
 
 def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> None:
     """Replace, in place (on the meta device), every linear, experts block and embedding whose checkpoint
     source(s) `spec` quantizes by its affine form. A fused linear's sources must share one format; experts take
-    one for gate and up and one for down (either may be None). A tied LM head follows the embedding."""
+    one for gate and up and one for down (either may be None). A tied LM head follows the embedding. Every
+    source's format is kept as `model.affine_layout`, from which `layout_spec` rebuilds the same model (the compile
+    child's twin)."""
     tied = model.lm_head.weight is model.model.embed_tokens.weight
+    model.affine_layout = layout = {}
+    given = spec
+
+    def spec(source: str, in_features: int) -> AffineFormat | None:
+        fmt = given(source, in_features)
+        layout[source] = None if fmt is None else [fmt.group_size, fmt.bits]
+        return fmt
+
     for name, module in list(model.named_modules()):
         if tied and name == "lm_head":
             continue
@@ -204,6 +219,15 @@ def swap_to_affine(model: nn.Module, dtype: torch.dtype, spec: QuantSpec) -> Non
         _replace(model, name, new)
     if tied and isinstance(model.model.embed_tokens, AffineEmbedding):
         model.lm_head = AffineTiedHead(model.model.embed_tokens)
+
+
+def layout_spec(layout: dict[str, list[int] | None]) -> QuantSpec:
+    """The QuantSpec of a model's `affine_layout` (source name -> [group_size, bits], or None)."""
+    def spec(source: str, in_features: int) -> AffineFormat | None:
+        fmt = layout.get(source)
+        return None if fmt is None else AffineFormat(*fmt)
+
+    return spec
 
 
 def source_names(name: str, module: nn.Module) -> list[tuple[str, int]] | None:
@@ -267,7 +291,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def linear_form(x: torch.Tensor, plan: StepPlan | None) -> str:
-    """The product's form (kernels/affine.FORMS): one reduction over the packed weight for one token of a compiled
+    """The product's form (kernels/affine.LINEAR_FORMS): one reduction over the packed weight for one token of a compiled
     step, else the reference."""
     num_tokens = x.numel() // x.shape[-1]
     one_token = isinstance(num_tokens, int) and num_tokens == 1

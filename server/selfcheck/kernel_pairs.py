@@ -117,7 +117,7 @@ def check_affine_linear(device, dtype, inputs: Inputs) -> Check:
         for num_tokens in (1, 3):  # the reduction runs at one token in a compiled step; the math holds at any count
             x = inputs.randn(num_tokens, 256).to(dtype)
             ref = affine.affine_linear_reference(x.double(), *packed, group_size, bits, bias.double())
-            for form in affine.FORMS:
+            for form in affine.LINEAR_FORMS:
                 out = affine.affine_linear(x.to(device), *(t.to(device) for t in packed), group_size, bits,
                                            bias.to(device), form)
                 errors.append(rel_err(out, ref))
@@ -135,9 +135,9 @@ def check_affine_experts(device, dtype, inputs: Inputs) -> Check:
         packed = [affine.quantize_affine(w, *fmt) for w, fmt in zip((gate_up, down), formats, strict=True)]
         ref = affine.affine_experts_reference(x.double(), weights.double(), expert_ids, *packed, *formats)
         on_device = [tuple(t.to(device) for t in p) for p in packed]
-        for form in affine.FORMS:
+        for form in affine.EXPERT_FORMS:
             out = affine.affine_experts(x.to(device), weights.to(device), expert_ids.to(device), *on_device,
-                                        *formats, form)
+                                        *formats, form, step_plan(device, dtype))
             errors.append(rel_err(out, ref))
     return bounded(SECTION, "affine_experts", max(errors), 2 * model_dtype_bound(dtype))
 

@@ -18,6 +18,7 @@ from typing import Any
 from server.engine.types import (
     ContextLengthExceededError,
     EngineStats,
+    InfillPrompt,
     InvalidRequestError,
     ModelDescription,
     SamplingParams,
@@ -187,6 +188,9 @@ class FakeEngine:
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)
         self._wait_for_input_gate()
+        if isinstance(prompt, InfillPrompt):  # as a model whose tokenizer has no FIM tokens
+            raise InvalidRequestError("this model cannot fill in the middle: its tokenizer has no FIM tokens",
+                                      param="suffix", code="fim_not_supported")
         if isinstance(prompt, str):
             prompt.encode("utf-8")  # a real tokenizer cannot encode lone surrogates either
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())

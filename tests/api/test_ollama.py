@@ -90,8 +90,8 @@ def test_options_map_to_sampling_params(srv: RunningServer) -> None:
     (lambda c: c.generate(model="m", prompt="x", raw=True, system="s"), "raw mode does not support"),
     (lambda c: c.chat(model="m", messages=[{"role": "user", "content": "x"}], logprobs=True), "logprobs are not"),
     (lambda c: c.chat(model="m", messages=[{"role": "user", "content": "x"}], format={"$ref": "#"}), "format"),
-    # fill-in-the-middle goes through /v1/completions' suffix, and says so until a model can do it
-    (lambda c: c.generate(model="m", prompt="def f(", suffix="    return x"), "suffix (fill-in-the-middle)"),
+    # fill-in-the-middle goes through /v1/completions' suffix: a model without FIM tokens says so
+    (lambda c: c.generate(model="m", prompt="def f(", suffix="    return x"), "has no FIM tokens"),
 ])
 def test_refusals_are_400_in_ollama_shape(srv: RunningServer, call, message: str) -> None:
     before = len(srv.engine.submitted)
@@ -99,6 +99,19 @@ def test_refusals_are_400_in_ollama_shape(srv: RunningServer, call, message: str
         call(_client(srv))
     assert info.value.status_code == 400 and message in info.value.error
     assert len(srv.engine.submitted) == before
+
+
+def test_format_is_response_formats_constraint(srv: RunningServer) -> None:
+    """`format` "json" and a schema become the grammars /v1's response_format json_object and json_schema give."""
+    messages = [{"role": "user", "content": "x"}]
+    for fmt, response_format in (("json", {"type": "json_object"}),
+                                 (SCHEMA, {"type": "json_schema", "json_schema": {"name": "f", "schema": SCHEMA}})):
+        _client(srv).chat(model="m", messages=messages, format=fmt)
+        ours = srv.engine.submitted[-1][2].structured
+        srv.client().chat.completions.create(model="m", messages=messages, response_format=response_format)
+        assert ours is not None and ours == srv.engine.submitted[-1][2].structured
+    _client(srv).chat(model="m", messages=messages, format="")
+    assert srv.engine.submitted[-1][2].structured is None
 
 
 def test_tool_calls_in_ollama_shape(srv: RunningServer) -> None:
@@ -347,21 +360,17 @@ def test_think_false_matches_v1_without_thinking(demo_server: RunningServer) -> 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_format_schema_and_json(demo_server: RunningServer, stream: bool) -> None:
+def test_format_schema(demo_server: RunningServer, stream: bool) -> None:
     seed = random.randrange(1000)
     messages = [{"role": "user", "content": "how old, and ok?"}]
     kw = dict(model="demo", messages=messages, think=False, options={"seed": seed, "num_predict": 60})
-    for fmt in (SCHEMA, "json"):
-        if stream:
-            text = "".join(p.message.content for p in _client(demo_server).chat(format=fmt, stream=True, **kw))
-        else:
-            out = _client(demo_server).chat(format=fmt, **kw)
-            assert out.done_reason == "stop"
-            text = out.message.content
-        value = json.loads(text)
-        assert isinstance(value, dict)
-        if fmt is SCHEMA:
-            jsonschema.validate(value, SCHEMA)
+    if stream:
+        text = "".join(p.message.content for p in _client(demo_server).chat(format=SCHEMA, stream=True, **kw))
+    else:
+        out = _client(demo_server).chat(format=SCHEMA, **kw)
+        assert out.done_reason == "stop"
+        text = out.message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
     generated = _client(demo_server).generate(model="demo", prompt="age?", format=SCHEMA, think=False,
                                               options={"seed": seed, "num_predict": 60})
     jsonschema.validate(json.loads(generated.response), SCHEMA)

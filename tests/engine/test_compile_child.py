@@ -4,6 +4,8 @@ a child that fails only leaves the compile to the serving process."""
 
 from __future__ import annotations
 
+import json
+
 import logging
 import shutil
 
@@ -99,18 +101,22 @@ def test_a_child_that_fails_leaves_the_compile_to_the_serving_process(tiny_check
     assert not any(r.levelno >= logging.WARNING for r in caplog.records if r.name.startswith("server"))
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path, quantization):
+@pytest.mark.parametrize("arch,quantization", [("qwen3", None), ("qwen3", "fp8"), ("qwen3", "int4"),
+                                               ("qwen3_moe", "int8")])
+def test_the_twin_has_the_models_shapes_and_ties_without_memory(tmp_path, arch, quantization):
     """Every parameter and buffer a fake of the real shape, dtype and stride (FP8 where the real one is: every
-    quantizable linear); a tied LM head stays one tensor."""
+    quantizable linear; packed int4 / int8 in each module's own format, an MoE router's 8 bits among 4-bit
+    experts); a tied LM head stays one tensor."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    build_tiny("qwen3", tmp_path, tie_word_embeddings=True)
+    build_tiny(arch, tmp_path, tie_word_embeddings=True)
     engine = Engine.from_pretrained(str(tmp_path), **ENGINE_KW, compile="on", quantization=quantization)
     real = engine.model
-    spec = compile_worker.child_spec(real, engine.config, engine.device, engine.dtype, 64, 8)
+    spec = json.loads(json.dumps(compile_worker.child_spec(real, engine.config, engine.device, engine.dtype, 64, 8)))
     assert spec["fp8"] is (quantization == "fp8")
-    twin = compile_twin.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), spec["fp8"])
+    assert (spec["affine_layout"] is not None) is (quantization in ("int4", "int8"))
+    twin = compile_twin.fake_model(real.hf_config, engine.device, engine.dtype, FakeTensorMode(), spec["fp8"],
+                                   spec["affine_layout"])
     real_tensors, twin_tensors = dict(real.state_dict(keep_vars=True)), dict(twin.state_dict(keep_vars=True))
     assert real_tensors.keys() == twin_tensors.keys()
     for name, tensor in real_tensors.items():

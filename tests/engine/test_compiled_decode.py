@@ -312,3 +312,20 @@ def test_compiled_decode_with_one_token_row_reductions_matches_eager(tiny_checkp
     config = hf_model.config
     q_size = config.num_attention_heads * config.head_dim
     assert set(traced) == {(config.hidden_size, q_size), (config.hidden_size, config.intermediate_size)}  # o, down
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_compiled_int4_decode_matches_eager(arch, tiny_checkpoint):
+    """Quantized at load to int4: the compiled step reads the packed weights inside its reductions (linears at one
+    token, the routed experts' rows), eager steps dequantize (the reference, and the experts' grouped form for a
+    prompt); both give the same greedy tokens, one sequence and a batch."""
+    path, _ = tiny_checkpoint(arch)
+    eager, compiled = (Engine.from_pretrained(str(path), **ENGINE_KW, compile=mode, quantization="int4")
+                       for mode in ("off", "on"))
+    assert compiled.runner.decode_graphs is not None and compiled.bits_per_weight < 16  # of float32
+    prompts = [random_ids(n, n + 1) for n in (21, 6, 13)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for batch in (prompts[:1], prompts):
+        expected = [o.token_ids for o in eager.generate(batch, params)]
+        assert [o.token_ids for o in compiled.generate(batch, params)] == expected

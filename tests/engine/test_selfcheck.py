@@ -59,10 +59,8 @@ def test_the_affine_pairs_pass_and_catch_a_wrong_unpacking(monkeypatch, dtype):
         checks = {c.name: c for c in kernel_pairs.kernel_checks(cpu, dtype, seed) if c.name.startswith("affine_")}
         assert [c.status for c in checks.values()] == [PASS, PASS], checks
     affine = kernel_pairs.affine
-    linear, slots = affine.affine_linear_reduction, affine._slot_reduction
-    monkeypatch.setattr(affine, "affine_linear_reduction",
-                        lambda x, q, scales, biases, *args: linear(x, q, scales, biases * 0, *args))
-    monkeypatch.setattr(affine, "_slot_reduction", lambda x, q, scales, biases, *args: slots(x, q, scales, biases * 0, *args))
+    rows = affine.dequantized_rows
+    monkeypatch.setattr(affine, "dequantized_rows", lambda q, scales, biases, *args: rows(q, scales, biases * 0, *args))
     checks = {c.name: c for c in kernel_pairs.kernel_checks(cpu, dtype, 0) if c.name.startswith("affine_")}
     assert [c.status for c in checks.values()] == [FAIL, FAIL], checks
 

@@ -9,6 +9,7 @@ import torch
 
 from server.kernels import affine
 from server.kernels.moe import moe_experts_reference
+from server.kernels.plan import step_plan
 
 mx = pytest.importorskip("mlx.core")
 
@@ -98,7 +99,7 @@ def test_linear_forms_equal_the_reference(group_size, bits, dtype):
     for shape in [(1, 256), (3, 7, 256)]:
         x = torch.randn(shape).to(dtype)
         expected = x.float() @ dense.t() + bias.float()
-        for form in affine.FORMS:
+        for form in affine.LINEAR_FORMS:
             out = affine.affine_linear(x, q, scales, biases, group_size, bits, bias, form=form)
             assert out.dtype == dtype and out.shape == (*shape[:-1], 48)
             assert torch.allclose(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item()), form
@@ -134,7 +135,8 @@ def test_expert_forms_equal_the_dense_reference(num_tokens, dtype, parts):
     dense = moe_experts_reference(x, weights, expert_ids, affine.dequantize_affine(*gate_up, *gate_up_fmt),
                                   down if down_fmt is None else affine.dequantize_affine(*down, *down_fmt))
     tol = 1e-5 if dtype == torch.float32 else 3e-2
-    for form in affine.FORMS:
-        out = affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_fmt, down_fmt, form=form)
+    for form in affine.EXPERT_FORMS:
+        out = affine.affine_experts(x, weights, expert_ids, gate_up, down, gate_up_fmt, down_fmt, form,
+                                    step_plan("cpu", dtype))
         assert out.dtype == dtype and out.shape == x.shape
         assert torch.allclose(out.float(), dense.float(), rtol=tol, atol=tol * dense.abs().max().item()), form
