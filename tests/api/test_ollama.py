@@ -15,8 +15,8 @@ import pytest
 from huggingface_hub import constants
 
 from server.engine.types import SamplingParams
-from tests.api.fake_engine import Script
-from tests.api.harness import RunningServer, serve
+from tests.api.fake_engine import FakeEngine, Script
+from tests.api.harness import RunningServer, serve, wait_until
 from tests.api.tool_markup import TOOLS, hermes, random_args
 
 WORDS = "the small model wakes up on a fresh machine and writes its own weights before it answers".split()
@@ -255,6 +255,21 @@ def test_an_engine_failure_mid_stream_is_one_error_line(srv: RunningServer) -> N
     assert [line.get("response") for line in lines[:-1]] == ["a", "b"] and set(lines[-1]) == {"error"}
     with pytest.raises(ollama.ResponseError, match="Internal server error"):
         list(_client(srv).chat(model="m", messages=[{"role": "user", "content": "x"}], stream=True))
+
+
+@pytest.mark.parametrize("path, body", [("/api/chat", {"messages": [{"role": "user", "content": "hi"}]}),
+                                        ("/api/generate", {"prompt": "hi", "stream": False})])
+def test_a_client_that_leaves_aborts_its_request(path: str, body: dict) -> None:
+    engine = FakeEngine(Script(pieces=["tok"] * 10_000, delay_s=0.01))
+    with serve(engine) as running:
+        with httpx.Client(timeout=30) as client:
+            try:
+                with client.stream("POST", f"{running.url}{path}", json=body, timeout=0.5) as response:
+                    next(response.iter_lines())  # streaming: one line read, then the client goes away
+            except httpx.ReadTimeout:
+                pass  # not streaming: nothing comes before the client gives up
+        wait_until(lambda: engine.aborted == [engine.submitted[0][0]])
+        wait_until(lambda: not engine.running)
 
 
 def test_the_api_key_guards_api_paths() -> None:
