@@ -5,7 +5,9 @@ ignore_eos, `--max-tokens` new tokens each, best of `--reps`:
   engine  Engine.generate(N prompts) in this process:            N * max_tokens / wall time
   async   AsyncEngine.stream() x N on one event loop (no HTTP):   same count / wall time
   sse     N concurrent POST /v1/completions, stream=true, through create_app + uvicorn on 127.0.0.1, read
-          with httpx: sum of usage.completion_tokens / (last [DONE] - first request sent)
+          with httpx: sum of usage.completion_tokens / (last [DONE] - first request sent); with
+          `--endpoint ollama`, POST /api/generate (raw, NDJSON) instead: sum of the final lines' eval_count
+          / (last final line - first request sent), the prompts then sent as text (the engine gets that text too)
 All three include prefill, so the ratios compare like with like; target: sse >= 98% of engine (issue 5).
 The steady rates run engine and SSE again at max_tokens/2 and take N * (max_tokens/2) / (t_long - t_short):
 what is left is the delivery rate while streaming, without the fixed costs (connections, prefill, the ramp
@@ -13,6 +15,7 @@ while concurrent requests arrive over the first steps). The streamed text is che
 
     PYTHONPATH=. python3 benchmarks/sse_delivery.py --preset tiny-moe --device cpu --streams 1,4 --max-tokens 32
     PYTHONPATH=. python3 benchmarks/sse_delivery.py --preset llama-3.1-8b --streams 1,16 --json sse.jsonl
+    PYTHONPATH=. python3 benchmarks/sse_delivery.py demo --device cpu --streams 1,16 --endpoint ollama
 
 A preset gets random weights and a synthetic word-level tokenizer over its whole vocabulary (token i is the
 word `t{i}`), so text flows through the detokenizer and the SSE framing as for a real model. Needs the server's
@@ -117,7 +120,38 @@ def async_rate(async_engine, prompts: list[list[int]], max_tokens: int, reps: in
     return max(asyncio.run(_async_once(async_engine, prompts, max_tokens)) for _ in range(reps))
 
 
-async def _stream_one(client, url: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+async def _ollama_one(client, url: str, prompt: str, max_tokens: int, start: float) -> dict:
+    """One /api/generate stream: raw prompt, greedy, `ignore_eos` (mps-serve's extension of Ollama's options)."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "raw": True, "stream": True,
+            "options": {"temperature": 0, "num_predict": max_tokens, "ignore_eos": True}}
+    text, arrivals, tokens = [], [], None
+    async with client.stream("POST", f"{url}/api/generate", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            chunk = json.loads(line)
+            if "error" in chunk:
+                raise RuntimeError(f"the server streamed an error: {chunk['error']}")
+            if chunk["response"]:
+                text.append(chunk["response"])
+                arrivals.append(time.perf_counter() - start)
+            if chunk["done"]:
+                tokens = chunk["eval_count"]
+    if tokens is None:
+        raise RuntimeError("the stream ended without its final line")
+    return _stream_record(text, arrivals, tokens, start)
+
+
+def _stream_record(text: list[str], arrivals: list[float], tokens: int, start: float) -> dict:
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return {"text": "".join(text), "tokens": tokens, "ttft": arrivals[0] if arrivals else None,
+            "mean_gap": sum(gaps) / len(gaps) if gaps else None, "chunks": len(arrivals),
+            "end": time.perf_counter() - start}
+
+
+async def _stream_one(client, url: str, prompt: list[int] | str, max_tokens: int, start: float,
+                      endpoint: str = "completions") -> dict:
+    if endpoint == "ollama":
+        return await _ollama_one(client, url, prompt, max_tokens, start)
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     text, arrivals, usage, done = [], [], None, False
@@ -140,19 +174,16 @@ async def _stream_one(client, url: str, prompt: list[int], max_tokens: int, star
                 usage = chunk["usage"]
     if not done or usage is None:
         raise RuntimeError("the stream ended without a usage chunk and [DONE]")
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-    return {"text": "".join(text), "tokens": usage["completion_tokens"], "ttft": arrivals[0] if arrivals else None,
-            "mean_gap": sum(gaps) / len(gaps) if gaps else None, "chunks": len(arrivals),
-            "end": time.perf_counter() - start}
+    return _stream_record(text, arrivals, usage["completion_tokens"], start)
 
 
-async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool,
-                    start_at: float | None) -> tuple[float, list[dict]]:
+async def _sse_once(url: str, prompts: list, max_tokens: int, open_first: bool,
+                    start_at: float | None, endpoint: str) -> tuple[float, list[dict]]:
     import httpx
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(prompts) + 4)) as client:
         if open_first:  # one-token requests open the connections first, as a long-lived client's pool has them
-            await asyncio.gather(*(_stream_one(client, url, p, 1, time.perf_counter()) for p in prompts))
+            await asyncio.gather(*(_stream_one(client, url, p, 1, time.perf_counter(), endpoint) for p in prompts))
         late_s = 0.0
         if start_at is not None:  # perf_counter is one system-wide monotonic clock: every process starts together
             await asyncio.sleep(max(0.0, start_at - time.perf_counter() - 0.002))
@@ -160,17 +191,17 @@ async def _sse_once(url: str, prompts: list[list[int]], max_tokens: int, open_fi
                 pass
             late_s = time.perf_counter() - start_at  # counted in the time: a late process only makes SSE look slower
         start = time.perf_counter() if start_at is None else start_at
-        streams = await asyncio.gather(*(_stream_one(client, url, p, max_tokens, start) for p in prompts))
+        streams = await asyncio.gather(*(_stream_one(client, url, p, max_tokens, start, endpoint) for p in prompts))
     elapsed = max(s["end"] for s in streams)
     return elapsed, [{**s, "client_late_ms": 1e3 * late_s} for s in streams]
 
 
-def sse_client(url: str, prompts: list[list[int]], max_tokens: int, open_first: bool = False,
-               start_at: float | None = None) -> tuple[float, list[dict]]:
+def sse_client(url: str, prompts: list, max_tokens: int, open_first: bool = False,
+               start_at: float | None = None, endpoint: str = "completions") -> tuple[float, list[dict]]:
     """(seconds from the first request sent, or from `start_at`, to the last [DONE]; per-stream details).
     open_first: the timed requests reuse connections already open (else each opens its own, inside the timed
     span)."""
-    return asyncio.run(_sse_once(url, prompts, max_tokens, open_first, start_at))
+    return asyncio.run(_sse_once(url, prompts, max_tokens, open_first, start_at, endpoint))
 
 
 def _http_implementation() -> str:
@@ -185,14 +216,14 @@ def _client_ready() -> None:
     import httpx  # noqa: F401
 
 
-def sse_clients(pool, num_processes: int, url: str, prompts: list[list[int]], max_tokens: int,
-                open_first: bool) -> tuple[float, list[dict]]:
+def sse_clients(pool, num_processes: int, url: str, prompts: list, max_tokens: int,
+                open_first: bool, endpoint: str) -> tuple[float, list[dict]]:
     """The prompts dealt over `num_processes` client processes that send at one common instant, as independent
     users would: one asyncio client sends its requests one after another (~0.5 ms of client CPU each)."""
     if num_processes == 1:
-        return pool.submit(sse_client, url, prompts, max_tokens, open_first).result()
+        return pool.submit(sse_client, url, prompts, max_tokens, open_first, None, endpoint).result()
     start_at = time.perf_counter() + 2.0  # time for every process to open its connections first
-    parts = [pool.submit(sse_client, url, prompts[i::num_processes], max_tokens, open_first, start_at)
+    parts = [pool.submit(sse_client, url, prompts[i::num_processes], max_tokens, open_first, start_at, endpoint)
              for i in range(num_processes)]
     results = [part.result() for part in parts]
     streams = [None] * len(prompts)
@@ -223,7 +254,9 @@ def start_server(async_engine):
 def run(args: argparse.Namespace) -> list[dict]:
     from server.engine.async_engine import AsyncEngine
 
-    max_len = args.prompt_len + args.max_tokens + 16
+    # Ollama's prompts are the random ids as text, which can encode to more tokens than the ids: room for them
+    prompt_room = 4 * args.prompt_len if args.endpoint == "ollama" else args.prompt_len
+    max_len = prompt_room + args.max_tokens + 16
     engine = build_engine(args, max_len)
     # Everything runs on the engine thread, as in `serve` (warm-up before /health turns ready), and what start-up
     # left alive is frozen for the GC, as serve does.
@@ -231,6 +264,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     async_engine.warm_up()
     freeze_startup_objects()
     batches = {n: random_prompts(n, args.prompt_len, engine.vocab_size, args.seed + n) for n in args.streams}
+    if args.endpoint == "ollama":  # Ollama's prompt is text: the engine is measured on the same text
+        batches = {n: [engine.tokenizer.decode(p) for p in prompts] for n, prompts in batches.items()}
     results = {n: {"streams": n} for n in args.streams}
     lengths = (args.max_tokens // 2, args.max_tokens)
     texts, engine_s = {}, {}
@@ -252,9 +287,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     list(client.map(time.sleep, [0.5] * num_processes))  # start (and import) every client process before timing
 
     def best_sse(prompts: list[list[int]], num_new: int) -> tuple[float, list[dict]]:
-        client.submit(sse_client, url, prompts, num_new).result()  # warm-up: connections, staggered buckets
-        runs = (sse_clients(client, min(num_processes, len(prompts)), url, prompts, num_new, args.open_connections)
-                for _ in range(args.reps))
+        # warm-up: connections, staggered buckets
+        client.submit(sse_client, url, prompts, num_new, False, None, args.endpoint).result()
+        runs = (sse_clients(client, min(num_processes, len(prompts)), url, prompts, num_new, args.open_connections,
+                            args.endpoint) for _ in range(args.reps))
         return min(runs, key=lambda r: r[0])
 
     try:
@@ -264,13 +300,13 @@ def run(args: argparse.Namespace) -> list[dict]:
             results[n].update(summarize(long_s, streams, texts[n], results[n], args.max_tokens))
             results[n]["sse_steady_tok_s"] = steady_rate(n, lengths, (short_s, long_s))
             results[n]["sse_steady_vs_engine"] = results[n]["sse_steady_tok_s"] / results[n]["engine_steady_tok_s"]
-            print(f"sse N={n}: {results[n]['sse_tok_s']:.1f} tok/s ({results[n]['sse_vs_engine']:.1%} of the engine; "
+            print(f"{args.endpoint} N={n}: {results[n]['sse_tok_s']:.1f} tok/s ({results[n]['sse_vs_engine']:.1%} of the engine; "
                   f"steady {results[n]['sse_steady_vs_engine']:.1%})", file=sys.stderr)
     finally:
         client.shutdown()
         server.should_exit = True
         thread.join(timeout=60)
-    common = {"preset": args.preset, "model": args.model, "device": str(engine.device),
+    common = {"preset": args.preset, "model": args.model, "device": str(engine.device), "endpoint": args.endpoint,
               "engine_options": args.engine_options, "open_connections": args.open_connections,
               "client_processes": args.client_processes, "http": _http_implementation(),
               "gpu_name": device_name(engine.device),
@@ -338,6 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=1,
                         help="deal the streams over this many client processes that send at one instant (16: one "
                              "per stream, like independent users); 1: one asyncio client sends them in turn")
+    parser.add_argument("--endpoint", default="completions", choices=["completions", "ollama"],
+                        help="stream /v1/completions (SSE) or Ollama's /api/generate (NDJSON)")
     parser.add_argument("--json", default=None, help="append one JSON object per N")
     parser.add_argument("--engine-option", action="append", type=engine_option, default=[], metavar="KEY=VALUE",
                         help="an EngineConfig field, e.g. compile_prefill=true (repeatable)")

@@ -13,38 +13,17 @@ least 1,024, under max_tokens) and enforced: after that many reasoning tokens th
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request, Response
-from fastapi.routing import APIRoute
-from starlette.requests import ClientDisconnect
 
 from server.api.agent_turn import render_prompt, start_turn
 from server.api.anthropic_output import collect_message, error_response, new_message_id, stream_messages
 from server.api.anthropic_schemas import CountTokensRequest, MessagesRequest
-from server.api.errors import from_engine_error
+from server.api.errors import from_engine_error, shaped_route
 from server.api.routes import off_loop_for_body, parse_body, read_json, respond, validate_params
 from server.api.state import ServingState
 
-
-class AnthropicRoute(APIRoute):
-    """Every error raised by an endpoint answers in Anthropic's shape, with its status."""
-
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
-        handler = super().get_route_handler()
-
-        async def handle(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ClientDisconnect:
-                raise
-            except Exception as exc:
-                return error_response(from_engine_error(exc))
-
-        return handle
-
-
-router = APIRouter(route_class=AnthropicRoute)
+router = APIRouter(route_class=shaped_route(error_response))  # errors in Anthropic's shape
 
 
 @router.post("/v1/messages")

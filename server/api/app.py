@@ -13,7 +13,16 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from server.api import anthropic_output, anthropic_routes, embeddings, infill, responses_routes
+from server.api import (
+    anthropic_output,
+    anthropic_routes,
+    embeddings,
+    infill,
+    ollama_models,
+    ollama_output,
+    ollama_routes,
+    responses_routes,
+)
 from server.api.errors import install_error_handlers
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.openapi import install_openapi
@@ -42,13 +51,16 @@ def create_app(
 
     app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
-    install_error_handlers(app, {anthropic_output.ANTHROPIC_ROUTE_PREFIX: anthropic_output.error_response})
+    install_error_handlers(app, {anthropic_output.ANTHROPIC_ROUTE_PREFIX: anthropic_output.error_response,
+                                 ollama_output.OLLAMA_ROUTE_PREFIX: ollama_output.error_response})
     install_openapi(app)
     app.include_router(router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(embeddings.router)
     app.include_router(infill.router)
+    app.include_router(ollama_routes.router)
+    app.include_router(ollama_models.router)
     app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
     # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry
     # CORS headers and preflights pass), then status counting, then the unversioned paths' rewrite around
@@ -59,7 +71,7 @@ def create_app(
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(server_config.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["*"],
             expose_headers=["Retry-After"],
         )

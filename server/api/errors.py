@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -174,3 +175,24 @@ def install_error_handlers(app: FastAPI,
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
         return shaped(request, from_engine_error(exc))
+
+
+def shaped_route(render: Callable[[APIError], Response]) -> type[APIRoute]:
+    """A route class whose endpoints answer every error they raise as `render` shapes it (Anthropic's, Ollama's),
+    with its status."""
+
+    class ShapedRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handler = super().get_route_handler()
+
+            async def handle(request: Request) -> Response:
+                try:
+                    return await handler(request)
+                except ClientDisconnect:
+                    raise
+                except Exception as exc:
+                    return render(from_engine_error(exc))
+
+            return handle
+
+    return ShapedRoute

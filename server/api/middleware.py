@@ -12,10 +12,13 @@ from server.api.anthropic_output import ANTHROPIC_ROUTE_PREFIX
 from server.api.anthropic_output import error_response as anthropic_error_response
 from server.api.errors import APIError
 from server.api.metrics import Metrics
+from server.api.ollama_output import OLLAMA_ROUTE_PREFIX
+from server.api.ollama_output import error_response as ollama_error_response
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-             "/v1/models", "/infill", "/health", "/metrics")
-PROTECTED = ("/v1", "/infill")  # what --api-key guards
+             "/v1/models", "/infill", "/health", "/metrics", "/api/chat", "/api/generate", "/api/embed",
+             "/api/embeddings", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull", "/api/delete")
+PROTECTED = ("/v1", "/infill", OLLAMA_ROUTE_PREFIX + "/")  # what --api-key guards
 
 
 # Clients configured with the server's root as their base URL (no /v1) send these paths.
@@ -37,8 +40,8 @@ class UnversionedPathMiddleware:
 
 
 class AuthMiddleware:
-    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/* and /infill, compared in
-    constant time; /health and /metrics stay open."""
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` (Anthropic clients) on /v1/*, /infill and /api/*,
+    compared in constant time; /health and /metrics stay open."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
@@ -49,8 +52,7 @@ class AuthMiddleware:
             headers = Headers(scope=scope)
             error = self._check(headers.get("authorization"), headers.get("x-api-key"))
             if error is not None:
-                anthropic = scope["path"].startswith(ANTHROPIC_ROUTE_PREFIX)
-                response = anthropic_error_response(error) if anthropic else error.response()
+                response = _error_response(scope["path"], error)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -66,6 +68,14 @@ class AuthMiddleware:
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._key):
             return APIError(401, "Incorrect API key provided.", code="invalid_api_key", headers=auth)
         return None
+
+
+def _error_response(path: str, error: APIError):
+    if path.startswith(ANTHROPIC_ROUTE_PREFIX):
+        return anthropic_error_response(error)
+    if path.startswith(OLLAMA_ROUTE_PREFIX + "/"):
+        return ollama_error_response(error)
+    return error.response()
 
 
 class StatusMetricsMiddleware:

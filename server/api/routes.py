@@ -12,6 +12,8 @@ the raw text.
 
 from __future__ import annotations
 
+from functools import partial
+
 import json
 import logging
 import time
@@ -148,7 +150,9 @@ async def respond(
     stream: bool,
     streamer: Callable[[ResponseContext], AsyncIterator[str]],
     collector: Callable[[ResponseContext], Coroutine[Any, Any, dict[str, Any]]],
+    stream_class: type[SSEResponse] = SSEResponse,
 ) -> Response:
+    """`stream_class`: the streaming response (SSE, or Ollama's NDJSON)."""
     generation = ctx.generation
 
     async def close() -> None:
@@ -156,7 +160,7 @@ async def respond(
         state.active.discard(generation)
 
     if stream:
-        return SSEResponse(streamer(ctx), on_close=close)
+        return stream_class(streamer(ctx), on_close=close)
     try:
         completed, body = await run_until_disconnect(request.receive, collector(ctx))
     finally:
@@ -208,11 +212,21 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     engine = state.ready_engine()
     req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    ctx = await start_completion(request, state, engine, req, started_at)
+    return await respond(request, state, ctx, req.stream, stream_completion, collect_completion)
+
+
+async def start_completion(request: Request, state: ServingState, engine: ServingEngine, req: CompletionRequest, started_at: float,
+                           reasoning: str = "none") -> ResponseContext:
+    """A text completion submitted, fill-in-the-middle with a suffix (Ollama's /api/generate and /api/chat come
+    here too); the context its response is built from. `reasoning`: how a response_format constraint treats
+    reasoning first (structured.reasoning_mode)."""
     prompts = req.prompts()
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     validate_params(params, {"max_predict_ms": "t_max_predict_ms"})
     if req.response_format is not None:
-        params.structured = await off_loop_for_body(request, response_format_output, req.response_format)
+        params.structured = await off_loop_for_body(request, partial(response_format_output, reasoning=reasoning),
+                                                    req.response_format)
     echo_prompts: list[str] = []
     if req.echo:
         if not all(isinstance(p, str) for p in prompts):
@@ -223,12 +237,11 @@ async def completions(request: Request) -> Response:
         state, engine, prompts, params, n=req.n, request_id=request_id, started_at=started_at,
         prompt_param="prompt",
     )
-    ctx = ResponseContext(
+    return ResponseContext(
         id=request_id, created=int(time.time()), model=state.served_model_name,
         system_fingerprint=state.system_fingerprint, generation=generation, include_usage=req.include_usage,
         keepalive_s=keepalive_s(state), logprobs=req.logprobs is not None, echo_prompts=echo_prompts,
     )
-    return await respond(request, state, ctx, req.stream, stream_completion, collect_completion)
 
 
 def _model_card(state: ServingState, model_id: str) -> dict[str, Any]:

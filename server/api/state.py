@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 from importlib import metadata
@@ -30,6 +31,7 @@ class ServingState:
         self.engine: ServingEngine | None = None
         self.draining = False
         self.created = int(time.time())
+        self.created_at = datetime.datetime.fromtimestamp(self.created, datetime.UTC).isoformat().replace("+00:00", "Z")
         self.system_fingerprint = f"fp_mps_serve_{_version()}"
         self.active: set[Generation] = set()
         self.metrics = Metrics(self.read_stats)

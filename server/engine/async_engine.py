@@ -26,6 +26,7 @@ from server.engine.types import (
     EngineStats,
     InfillPrompt,
     InvalidRequestError,
+    ModelDescription,
     QueueFullError,
     SamplingParams,
     StepFailedError,
@@ -118,6 +119,7 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         # where handles deliver: the loop start() ran on, so submit() may also run on a worker thread
         self._event_loop: asyncio.AbstractEventLoop | None = None
+        self._description: ModelDescription | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_waiting_requests: int = 256,
@@ -138,6 +140,11 @@ class AsyncEngine:
     async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """Engine.embed on the engine thread, between two steps."""
         return await asyncio.to_thread(self.call, lambda: self.engine.embed(prompts, dimensions))
+
+    def describe(self) -> ModelDescription:
+        if self._description is None:  # fixed once loaded; reads only shapes and the config
+            self._description = self.engine.describe()
+        return self._description
 
     def count_tokens(self, prompt: str) -> int:
         return len(self.engine.inputs.encode_prompt(prompt))

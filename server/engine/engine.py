@@ -42,6 +42,7 @@ from server.engine.types import (
     EngineStats,
     FinishReason,
     InfillPrompt,
+    ModelDescription,
     RequestOutput,
     SamplingParams,
     StepFailedError,
@@ -139,6 +140,22 @@ class Engine:
         if self._bits_per_weight is None:
             self._bits_per_weight = bits_per_weight(self.model)
         return self._bits_per_weight
+
+    def describe(self) -> ModelDescription:
+        """The served checkpoint, for the HTTP APIs that list and show models."""
+        args, bits = self.model.args, self.bits_per_weight
+        quantization = self.config.load.quantization
+        if quantization is None and bits < 0.75 * 8 * self.dtype.itemsize:  # packed weights: an MLX checkpoint
+            quantization = "mlx"
+        template = self.tokenizer.chat_template if self.tokenizer is not None else None
+        if isinstance(template, dict):  # named templates: the default one is what chat requests use
+            template = template.get("default")
+        return ModelDescription(
+            model_type=args.model_type, parameter_count=round(self.weight_bytes * 8 / max(bits, 1e-9)),
+            weight_bytes=self.weight_bytes, dtype=str(self.dtype).removeprefix("torch."), quantization=quantization,
+            max_model_len=self.max_model_len, device=self.device.type, hidden_size=args.hidden_size,
+            num_layers=args.num_hidden_layers, vocab_size=args.vocab_size, chat_template=template, embedding=self.pooling is not None,
+        )
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:

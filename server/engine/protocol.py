@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-from server.engine.types import EngineStats, InfillPrompt, SamplingParams, StreamDelta
+from server.engine.types import EngineStats, InfillPrompt, ModelDescription, SamplingParams, StreamDelta
 
 
 class RequestHandle(Protocol):
@@ -43,6 +43,9 @@ class ServingEngine(Protocol):
     async def embed(self, prompts: list[str | list[int]], dimensions: int | None = None) -> tuple[list[list[float]], int]:
         """(pooled embedding per prompt, number of prompt tokens). Raises InvalidRequestError when the model is
         no embedding model or an input is empty, outside the vocabulary or too long."""
+
+    def describe(self) -> ModelDescription:
+        """The served checkpoint: architecture, size, precision, chat template."""
 
     def count_tokens(self, prompt: str) -> int:
         """How many tokens `prompt` (e.g. a render_chat result) is, as submit() would encode it."""

@@ -249,6 +249,24 @@ class EngineStats:
     bits_per_weight: float = 0.0  # resident bits per model weight (engine/weights.bits_per_weight); 0: unknown
 
 
+@dataclass(frozen=True)
+class ModelDescription:
+    """What the served checkpoint is, for the APIs that describe it (Ollama's /api/show, /api/tags, /api/ps)."""
+
+    model_type: str
+    parameter_count: int  # weights the model stands for (packed ones counted unpacked)
+    weight_bytes: int  # resident on the device
+    dtype: str  # e.g. "bfloat16"
+    quantization: str | None  # "fp8", "int8", "int4", "mlx" (an MLX checkpoint as published), None
+    max_model_len: int
+    device: str  # "mps", "cuda", "cpu"
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    chat_template: str | None  # the Jinja template, or None
+    embedding: bool  # a sentence-transformers embedding checkpoint (Pooling module)
+
+
 # The compiled steps: nothing to compile; compiled on first use; being built beside serving; in use; failed
 # (serving stays on the eager path)
 COMPILE_STATES = ("off", "lazy", "compiling", "ready", "failed")

@@ -20,6 +20,7 @@ from server.engine.types import (
     EngineStats,
     InfillPrompt,
     InvalidRequestError,
+    ModelDescription,
     SamplingParams,
     StreamDelta,
     TokenLogprob,
@@ -175,6 +176,14 @@ class FakeEngine:
 
     def count_tokens(self, prompt: str) -> int:
         return len(prompt.split())
+
+    def describe(self) -> ModelDescription:
+        return ModelDescription(
+            model_type="fake", parameter_count=1_234_567, weight_bytes=4_938_268, dtype="bfloat16", quantization=None,
+            max_model_len=self.max_model_len, device="cpu", hidden_size=64, num_layers=2, vocab_size=self.vocab_size,
+            chat_template="{{ messages }} {% if tools %}tools{% endif %} {% if enable_thinking %}<think>{% endif %}",
+            embedding=False,
+        )
 
     def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> FakeHandle:
         params.validate(self.vocab_size)

@@ -129,3 +129,23 @@ def test_pooling_modes_come_from_the_checkpoint(tmp_path, key: str, mode: str) -
     assert read_pooling(tmp_path) is None
     _write_embedding_checkpoint(tmp_path, key)
     assert read_pooling(tmp_path) == Pooling(mode, normalize=True)
+
+
+def test_ollama_embed_and_embeddings_match_transformers(embedder) -> None:
+    import ollama
+
+    running, hf_model, path = embedder
+    client = ollama.Client(host=running.url, timeout=60)
+    out = client.embed(model="any", input=TEXTS)
+    assert out.model == "embedder" and len(out.embeddings) == len(TEXTS)
+    for vector, text in zip(out.embeddings, TEXTS, strict=True):
+        assert vector == pytest.approx(_reference(hf_model, _token_ids(path, text)), abs=1e-4)
+    assert out.prompt_eval_count == sum(len(_token_ids(path, t)) for t in TEXTS) and out.total_duration > 0
+    short = client.embed(model="any", input=TEXTS[0], dimensions=16).embeddings[0]
+    norm = math.sqrt(sum(v * v for v in out.embeddings[0][:16]))
+    assert short == pytest.approx([v / norm for v in out.embeddings[0][:16]], abs=1e-6)
+    older = client.embeddings(model="any", prompt=TEXTS[2]).embedding
+    assert older == pytest.approx(out.embeddings[2], abs=1e-6)
+    with pytest.raises(ollama.ResponseError) as info:
+        client.embed(model="any", input=["ok", ""])
+    assert info.value.status_code == 400 and info.value.error

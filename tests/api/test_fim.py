@@ -185,3 +185,23 @@ def test_infill_stops_on_the_budget_on_words_and_evaluates_only_with_n_predict_0
 def test_infill_needs_the_api_key_when_the_server_has_one() -> None:
     with serve(api_key="sk-test") as running:
         assert running.post("/infill", {"input_prefix": "a"}).status_code == 401
+
+
+def test_ollama_generate_with_suffix_is_the_same_fill_in_the_middle(fim: FimServer) -> None:
+    """Ollama's /api/generate `suffix` (Continue's Ollama autocomplete) takes /v1/completions' FIM path: the same
+    prompt layout, the same greedy middle, its token count as eval_count."""
+    import ollama
+
+    rng = random.Random()
+    prefix, suffix = _code(rng), _code(rng)
+    client = ollama.Client(host=fim.running.url, timeout=60)
+    options = {"temperature": 0, "num_predict": 12, "ignore_eos": True}
+    parts = list(client.generate(model="coder", prompt=prefix, suffix=suffix, options=options, stream=True))
+    prompt_ids, output_ids = fim.last()
+    assert prompt_ids == fim.layout(prefix, suffix)
+    assert output_ids == hf_greedy(fim.hf_model, prompt_ids, 12)
+    v1 = fim.running.client().completions.create(model="coder", prompt=prefix, suffix=suffix, max_tokens=12,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(p.response for p in parts) == v1.choices[0].text
+    assert parts[-1].done_reason == "length" and parts[-1].eval_count == 12
+    assert parts[-1].prompt_eval_count == len(prompt_ids)
