@@ -26,7 +26,7 @@ import torch
 
 from server.compile.steps import build_steps, child_before_load
 from server.config import EngineConfig
-from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.build import EngineParts, attach_disk_tier, build_parts, load_pretrained
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, embed, read_pooling
 from server.engine.inputs import Inputs
@@ -85,6 +85,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         limit = max_model_len or config.scheduler.max_model_len or model.args.max_position_embeddings
         parts = build_parts(model, config, device, dtype, limit)
+        attach_disk_tier(parts, model, config, device, dtype)
         steps = build_steps(model, config, parts, device, dtype, limit)
         return cls(model, tokenizer, config, device, dtype, limit, config.load.model, parts, steps)
 
@@ -102,6 +103,7 @@ class Engine:
         pooling = None if config.load.model == "demo" else read_pooling(resolve_model_path(config.load.model, config.load.revision))
         parts = build_parts(model, config, device, dtype, max_model_len,
                             num_kv_blocks=early.num_kv_blocks if early else None)
+        attach_disk_tier(parts, model, config, device, dtype)
         steps = build_steps(model, config, parts, device, dtype, max_model_len, early)
         return cls(model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts, steps, pooling)
 
@@ -161,6 +163,7 @@ class Engine:
         out = self.scheduler.schedule()
         try:
             with serialized_device_work(self.device):
+                self.kv_manager.apply_disk_copies()  # evicted blocks out, blocks read from disk in
                 return self._run_step(out)
         except Exception as exc:
             raise self._abandon_step(out, exc) from exc
@@ -240,13 +243,30 @@ class Engine:
         reason = FinishReason.STOP if request.error is None else FinishReason.ERROR
         self.scheduler.finish(request, reason.value)
 
+    def save_prefix_cache(self) -> None:
+        """Write the cached KV blocks (and hybrid snapshots) that the disk tier lacks, and wait: at shutdown, so
+        that the next process on this model finds them. Nothing without a disk tier."""
+        if self.kv_manager.disk is None:
+            return
+        while True:
+            with serialized_device_work(self.device):  # the writer waits for its copies outside this lock
+                done = self.kv_manager.save_to_disk()
+            self.kv_manager.disk.io.drain()
+            if done:
+                return
+
     def stats(self) -> EngineStats:
+        disk = self.kv_manager.disk
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv_blocks_used=self.kv_manager.num_used_blocks,
             kv_blocks_free=self.kv_manager.num_free_blocks,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            prefix_cache_disk_hit_tokens=self.scheduler.num_prefix_disk_hit_tokens,
+            prefix_cache_miss_tokens=self.scheduler.num_prefix_miss_tokens,
+            prefix_cache_disk_bytes=disk.index.total_bytes if disk is not None else 0,
+            prefix_cache_disk_writes_dropped=disk.counts.writes_dropped if disk is not None else 0,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generated_tokens,
             compile_state=self.compile_state,

@@ -47,7 +47,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_prefix_hit_tokens = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from reused KV, memory or disk
+        self.num_prefix_disk_hit_tokens = 0  # of those, read from the disk tier
+        self.num_prefix_miss_tokens = 0  # prompt tokens computed at first admission
 
     @property
     def has_work(self) -> bool:
@@ -88,6 +90,7 @@ class Scheduler:
             if not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
+            self._count_reuse(request)
             self.kv.admit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -105,7 +108,13 @@ class Scheduler:
         request.num_computed_tokens = self.kv.match_prefix(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
-            self.num_prefix_hit_tokens += request.num_computed_tokens
+
+    def _count_reuse(self, request: Request) -> None:
+        """At first admission: the prompt's tokens served from memory, from disk, and computed."""
+        if request.num_preemptions == 0:
+            self.num_prefix_hit_tokens += request.num_cached_tokens
+            self.num_prefix_disk_hit_tokens += request.num_disk_cached_tokens
+            self.num_prefix_miss_tokens += request.num_prompt_tokens - request.num_cached_tokens
 
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(request, request.num_computed_tokens + num_new):

@@ -16,7 +16,7 @@ the snapshot is copied into its live slot before its first step.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class StateSlots:
@@ -34,6 +34,7 @@ class StateSlots:
         self.pins: dict[int, int] = {}  # snapshot slot -> restores not yet copied out
         self.restore: dict[str, int] = {}  # request id -> snapshot to copy into its live slot first
         self.unpublished: dict[int, bytes] = {}  # snapshot slot -> key, until its save is launched
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (slot, key) of a cached snapshot overwritten
 
     @property
     def num_slots(self) -> int:
@@ -51,6 +52,22 @@ class StateSlots:
                 self.evictable.pop(slot, None)
                 return num_blocks
         return 0
+
+    def longest(self, block_hashes: Sequence[bytes]) -> int:
+        """`match`'s answer, without taking anything."""
+        return next((n for n in range(len(block_hashes), 0, -1) if block_hashes[n - 1] in self.slot_of_hash), 0)
+
+    def take_for_restore(self, request_id: str, key: bytes) -> int | None:
+        """A snapshot slot for a state read from disk, published under `key` at once (its copy is queued before
+        the next step) and pinned for the request's restore; None when every snapshot slot is owned or pinned."""
+        self._drop_restore(request_id)
+        slot = self._spare_slot()
+        if slot is None:
+            return None
+        self.slot_of_hash[key], self.hash_of_slot[slot] = slot, key
+        self.restore[request_id] = slot
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+        return slot
 
     def admit(self) -> int:
         """A live slot for a sequence entering the running set (the scheduler bounds them by num_live)."""
@@ -97,14 +114,22 @@ class StateSlots:
                 self._forget_key(slot)
                 return slot  # roll this sequence's snapshot forward
             del self.owned[request_id], self.owner_of[slot]  # someone will restore it: leave it cached
+        slot = self._spare_slot()
+        if slot is not None:
+            self.owned[request_id], self.owner_of[slot] = slot, request_id
+        return slot
+
+    def _spare_slot(self) -> int | None:
+        """A free snapshot slot, else the least recently used cached one (its state evicted), else None."""
         if self.free_snapshots:
-            slot = self.free_snapshots.pop()
-        elif self.evictable:
-            slot, _ = self.evictable.popitem(last=False)
-            self._forget_key(slot)
-        else:
+            return self.free_snapshots.pop()
+        if not self.evictable:
             return None
-        self.owned[request_id], self.owner_of[slot] = slot, request_id
+        slot, _ = self.evictable.popitem(last=False)
+        key = self.hash_of_slot.get(slot)
+        if key is not None and self.on_evict is not None:
+            self.on_evict(slot, key)
+        self._forget_key(slot)
         return slot
 
     def _forget_key(self, slot: int) -> None:
