@@ -162,6 +162,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # longest pause between two reads of a request body (408 after it)
     # compile the decode step beside serving from the start (Engine.compile_in_background); False: on first use
     warmup: bool = True
+    # JSON Lines of prompts prefilled into the prefix cache at start-up (server.engine.warm); None: none
+    warm_prompts: str | None = None
     log_level: str = "info"
 
 

@@ -139,7 +139,7 @@ class AsyncEngine:
         return await asyncio.to_thread(self.call, lambda: self.engine.embed(prompts, dimensions))
 
     def count_tokens(self, prompt: str) -> int:
-        return len(self.engine.inputs.encode_prompt(prompt))
+        return self.engine.inputs.count_tokens(prompt)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
@@ -245,6 +245,10 @@ class AsyncEngine:
             self._deliver(deltas)
             self._stats = engine.stats()
         self._fail_all(EngineError("the server is shutting down"))
+        try:
+            engine.save_prefix_cache()  # the next process on this model starts from these prefixes
+        except Exception:
+            log.exception("could not save the prefix cache to disk")
 
     def _drain_commands(self) -> None:
         while True:
