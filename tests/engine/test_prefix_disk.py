@@ -5,6 +5,7 @@ budget holds."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 
@@ -180,3 +181,20 @@ def test_byte_budget_evicts_least_recently_used_files(llama, tmp_path):
     restarted = make_engine(llama, prefix_cache_dir=str(tmp_path / "tier"),
                             prefix_cache_disk_gb=budget_files * file_size / (1 << 30))
     assert len(restarted.kv_manager.disk.index) == budget_files  # what the budget kept is what a restart finds
+
+
+def test_warm_prompts_fill_the_cache_and_bad_lines_name_their_line(tmp_path):
+    from server.engine.engine import Engine
+    from server.engine.warm import read_warm_prompts, warm_prefix_cache
+
+    engine = Engine.from_pretrained("demo", device="cpu", prefix_cache_dir=str(tmp_path / "cache"))
+    messages = [{"role": "system", "content": "You review code. " * 20}, {"role": "user", "content": "hello"}]
+    warm = tmp_path / "warm.jsonl"
+    warm.write_text(json.dumps({"messages": messages}) + "\n# a comment\n\n"
+                    + json.dumps({"prompt": "plain text " * 30}) + "\n")
+    assert warm_prefix_cache(engine, warm) > 100
+    out = engine.chat(messages, SamplingParams(max_tokens=2, temperature=0.0))
+    assert out.cached_tokens == (out.prompt_tokens - 1) // 16 * 16 > 0
+    warm.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"messages": "not a list"}) + "\n")
+    with pytest.raises(ValueError, match=r"warm.jsonl:2: expected"):
+        read_warm_prompts(warm, engine.inputs)
