@@ -198,3 +198,17 @@ def test_warm_prompts_fill_the_cache_and_bad_lines_name_their_line(tmp_path):
     warm.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"messages": "not a list"}) + "\n")
     with pytest.raises(ValueError, match=r"warm.jsonl:2: expected"):
         read_warm_prompts(warm, engine.inputs)
+
+
+def test_steps_that_evict_to_and_load_from_disk_never_sync_with_the_host(llama, tmp_path):
+    from tests.kernels.sync_guard import assert_no_host_sync
+
+    probe = make_engine(llama, enable_prefix_caching=False)
+    engine = make_engine(llama, prefix_cache_dir=str(tmp_path), kv_cache_memory_bytes=24 * per_block_bytes(probe))
+    first = random_ids(61, seed=13)
+    with assert_no_host_sync():  # the engine thread's steps: evicted blocks copied out, disk blocks copied in
+        engine.generate(first, PARAMS)
+        engine.generate(random_ids(80, seed=14), PARAMS)
+        engine.kv_manager.disk.io.drain()
+        out = engine.generate(first + [1, 2, 3], PARAMS)
+    assert disk_hits(engine) > 0 and out.cached_tokens > 0
