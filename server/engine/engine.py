@@ -243,17 +243,20 @@ class Engine:
         reason = FinishReason.STOP if request.error is None else FinishReason.ERROR
         self.scheduler.finish(request, reason.value)
 
-    def save_prefix_cache(self) -> None:
-        """Write the cached KV blocks (and hybrid snapshots) that the disk tier lacks, and wait: at shutdown, so
-        that the next process on this model finds them. Nothing without a disk tier."""
+    def save_prefix_cache(self, wait: bool = True) -> bool:
+        """Write the cached KV blocks (and hybrid snapshots) that the disk tier lacks, so that the next process on
+        this model finds them. `wait`: until all are written (shutdown); else queue what the writer takes now and
+        return (between requests: a crash then loses little). -> whether all were queued; True without a tier."""
         if self.kv_manager.disk is None:
-            return
+            return True
         while True:
             with serialized_device_work(self.device):  # the writer waits for its copies outside this lock
                 done = self.kv_manager.save_to_disk()
+            if not wait:
+                return done
             self.kv_manager.disk.io.drain()
             if done:
-                return
+                return True
 
     def stats(self) -> EngineStats:
         disk = self.kv_manager.disk

@@ -210,13 +210,11 @@ class DiskTier:
             self.index.add(kind, key, size)
 
     def save_all(self, blocks: Iterable[tuple[int, bytes]], snapshots: Iterable[tuple[int, bytes]]) -> bool:
-        """Queue writes of what memory holds and the disk lacks (at shutdown, so a restart finds it), as many as
-        the writer takes now. -> True when none was left out (else drain the writer and call again)."""
+        """Queue writes of what memory holds and the disk lacks (between requests and at shutdown, so a restart
+        finds it), as many as the writer takes now. -> True when none was left out (else call again later)."""
         self.apply()
         left_out = 0
         for kind, items in ((KV, blocks), (STATE, snapshots)):
-            for slot, key in items:
-                self.evicted(kind, slot, key)
-            saves, self._saves[kind] = self._saves[kind], []
+            saves = [(slot, key) for slot, key in items if not self.index.has(kind, key)]
             left_out += self._save(kind, saves, count_drops=False)
         return not left_out

@@ -12,7 +12,7 @@ import pytest
 
 from server.api.app import create_app
 from server.config import EngineConfig, ServerConfig
-from tests.api.harness import run_app
+from tests.api.harness import run_app, wait_until
 
 SYSTEM = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and check facts." for i in range(12))
 
@@ -35,7 +35,9 @@ def test_restart_serves_cached_tokens_from_disk_in_every_protocol(tmp_path):
         out = running.client().chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0)
         assert out.usage.prompt_tokens_details.cached_tokens == 0
         prompt_tokens = out.usage.prompt_tokens
-    # the server's shutdown wrote the cached blocks; a new process on the same model reads them
+        # idle, the engine writes what memory caches, before any shutdown (a killed server loses little)
+        wait_until(lambda: first.stats().prefix_cache_disk_bytes > 0)
+    # and its shutdown wrote the rest; a new process on the same model reads them
     second = _engine(tmp_path)
     with run_app(create_app(second, ServerConfig()), second) as running:
         out = running.client().chat.completions.create(model="demo", messages=messages, max_tokens=4, temperature=0)
