@@ -12,7 +12,6 @@ least 1,024, under max_tokens) but not enforced: the reasoning is bounded by max
 from __future__ import annotations
 
 import asyncio
-
 import time
 from collections.abc import Awaitable, Callable
 

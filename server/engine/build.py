@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
