@@ -149,7 +149,15 @@ class KVManager:
         if self.state_slots is None:
             return None, None
         self.register_full_blocks(request)  # a block-boundary state snapshot is keyed by its hash
-        return self.state_slots.plan(request.request_id, request.block_hashes, start)
+        keep = start == self.prompt_snapshot_position(request)
+        return self.state_slots.plan(request.request_id, request.block_hashes, start, keep)
+
+    def prompt_snapshot_position(self, request: Request) -> int | None:
+        """Hybrids with snapshots: the prompt's last block boundary, where a prefill chunk ends so that the state
+        there is saved (and kept) for the next turn; None otherwise."""
+        if self.state_slots is None or not self.state_slots.num_snapshots:
+            return None
+        return request.num_prompt_tokens // self.block_size * self.block_size or None
 
     def publish_state(self, slot: int) -> None:
         """The step saving a snapshot into `slot` was launched: its state may be matched from now on."""

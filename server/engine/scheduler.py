@@ -71,7 +71,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._limit(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if num_new <= 0 or request.num_tokens >= request.max_total_tokens:
                 i += 1  # its last token is sampled (in flight): it finishes when that step resolves
                 continue
@@ -86,7 +86,7 @@ class Scheduler:
                 break  # preempted with a token still in flight: recompute once it is known
             if not request.block_ids:
                 self._match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._limit(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
@@ -97,6 +97,11 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return out
+
+    def _limit(self, request: Request, num_new: int) -> int:
+        """Hybrids: a prefill chunk ends at the prompt's last block boundary, so its state snapshot is taken."""
+        start, stop = request.num_computed_tokens, self.kv.prompt_snapshot_position(request)
+        return stop - start if stop is not None and start < stop < start + num_new else num_new
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         end = request.num_computed_tokens + num_new
