@@ -97,6 +97,10 @@ class Engine:
         if config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
             from server.engine.distributed import start_engine  # torch.distributed: imported where it serves
 
+            if config.cache.prefix_cache_dir is not None:
+                log.warning("prefix_cache_dir is ignored: the disk tier serves one process's KV cache, not a "
+                            "tensor- or pipeline-parallel one")
+
             return cls(*start_engine(config))  # run eagerly: the compiled decode step is one process's
         early = child_before_load(config) if compile_beside_serving else None
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 KV, STATE = "kv", "state"  # the two kinds of file: one KV block of every layer, one hybrid state snapshot
 SUFFIX = ".safetensors"
+STALE_TMP_S = 3600.0
 
 
 class PrefixIO(Protocol):
@@ -48,27 +50,22 @@ class PrefixIO(Protocol):
 
 class DiskIndex:
     """Files of one model's directory: their sizes, least recently used first, within a byte budget. The writer
-    thread adds files while the engine thread reads: every method takes the lock."""
+    thread adds files while the engine thread reads: what reads or changes the order takes the lock."""
 
     def __init__(self, root: Path, budget_bytes: int):
         self.root, self.budget_bytes = root, budget_bytes
         self._lock = threading.Lock()
         self._files: OrderedDict[tuple[str, bytes], int] = OrderedDict()
+        self._bytes = 0  # the sum of _files' sizes
         root.mkdir(parents=True, exist_ok=True)
-        found = []
-        for path in root.glob(f"*/*{SUFFIX}"):
-            entry = _parse_name(path.name)
-            if entry is not None:
-                stat = path.stat()
-                found.append((stat.st_mtime, entry, stat.st_size))
-        for _, entry, size in sorted(found):  # a file's mtime is its last use (`touch`)
+        for _, entry, size in sorted(_scan(root)):  # a file's mtime is its last use (`touch`)
             self._files[entry] = size
+            self._bytes += size
         self._trim()
 
     @property
     def total_bytes(self) -> int:
-        with self._lock:
-            return sum(self._files.values())
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._files)
@@ -94,21 +91,37 @@ class DiskIndex:
     def add(self, kind: str, key: bytes, size: int) -> None:
         """A file was written: it counts against the budget, whose oldest files go until it fits."""
         with self._lock:
+            self._bytes += size - self._files.get((kind, key), 0)
             self._files[(kind, key)] = size
             self._files.move_to_end((kind, key))
             self._trim()
 
     def discard(self, kind: str, key: bytes) -> None:
         with self._lock:
-            self._files.pop((kind, key), None)
+            self._bytes -= self._files.pop((kind, key), 0)
         self.path(kind, key).unlink(missing_ok=True)
 
     def _trim(self) -> None:
-        total = sum(self._files.values())
-        while total > self.budget_bytes and self._files:
+        while self._bytes > self.budget_bytes and self._files:
             (kind, key), size = self._files.popitem(last=False)
-            total -= size
+            self._bytes -= size
             self.path(kind, key).unlink(missing_ok=True)
+
+
+def _scan(root: Path) -> list[tuple[float, tuple[str, bytes], int]]:
+    """(mtime, entry, size) of the cache files under `root`; removes temporary files a killed writer left."""
+    found = []
+    for path in root.glob("*/*"):
+        try:
+            stat = path.stat()
+            if path.name.startswith(".") and path.name.endswith(".tmp"):
+                if time.time() - stat.st_mtime > STALE_TMP_S:  # younger ones may be another process's writes
+                    path.unlink()
+            elif (entry := _parse_name(path.name)) is not None:
+                found.append((stat.st_mtime, entry, stat.st_size))
+        except OSError:
+            continue  # removed meanwhile (another process on this directory)
+    return found
 
 
 def _parse_name(name: str) -> tuple[str, bytes] | None:

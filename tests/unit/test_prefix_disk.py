@@ -30,7 +30,12 @@ def test_budget_evicts_least_recently_used_and_restart_keeps_the_order(tmp_path)
     write(index, bytes([3]), 100, mtime=now + 10)
     assert not index.has(KV, bytes([1])) and not index.path(KV, bytes([1])).exists()
     assert [k[0] for _, k in index._files] == [2, 0, 3] and index.total_bytes == 300
+    stale, fresh = tmp_path / "00" / ".kv-00.safetensors.1.tmp", tmp_path / "00" / ".kv-01.safetensors.2.tmp"
+    for path, age in ((stale, 7200), (fresh, 10)):  # temporary files of writers killed, or still writing
+        path.write_bytes(b"x")
+        os.utime(path, (now - age, now - age))
     smaller = DiskIndex(tmp_path, budget_bytes=200)  # a restart with a smaller budget trims the oldest by mtime
+    assert not stale.exists() and fresh.exists()
     assert [k[0] for _, k in smaller._files] == [0, 3] and not index.path(KV, bytes([2])).exists()
 
 
