@@ -153,11 +153,12 @@ class KVManager:
         return self.state_slots.plan(request.request_id, request.block_hashes, start, keep)
 
     def prompt_snapshot_position(self, request: Request) -> int | None:
-        """Hybrids with snapshots: the prompt's last block boundary, where a prefill chunk ends so that the state
-        there is saved (and kept) for the next turn; None otherwise."""
+        """Hybrids with snapshots: the prompt's last block boundary before its last token, where a prefill chunk
+        ends so that the state there is saved (and kept) for the next turn; None otherwise. (At the prompt's end
+        itself no step may start: a request of one output token has no decode step.)"""
         if self.state_slots is None or not self.state_slots.num_snapshots:
             return None
-        return request.num_prompt_tokens // self.block_size * self.block_size or None
+        return (request.num_prompt_tokens - 1) // self.block_size * self.block_size or None
 
     def publish_state(self, slot: int) -> None:
         """The step saving a snapshot into `slot` was launched: its state may be matched from now on."""

@@ -220,13 +220,13 @@ def test_hybrid_next_turn_that_re_renders_the_reply_reuses_the_prompt_end_state(
     path, _ = hybrid_checkpoint("qwen3_5_text")
     cold = make_engine(path, enable_prefix_caching=False)
     engine = make_engine(path, prefix_cache_dir=str(tmp_path), max_num_seqs=1)
-    prompt = random_ids(42, seed=15)  # 10 full blocks of 4, then 2 tokens
-    engine.generate(prompt, PARAMS)  # 8 decode tokens: snapshots at 44 and 48 too
+    prompt = random_ids(40, seed=15)  # 10 full blocks of 4: the state kept is the one at 36, before the last token
+    engine.generate(prompt, PARAMS)  # 8 decode tokens: snapshots at 40, 44 and 48 too
     next_prompt = prompt + random_ids(6, seed=16)  # a reply rendered differently, then the user's message
     out = engine.generate(next_prompt, PARAMS)
-    assert out.cached_tokens == 40
+    assert out.cached_tokens == 36
     assert_same(out, cold.generate(next_prompt, PARAMS))
     engine.save_prefix_cache()
     restarted = make_engine(path, prefix_cache_dir=str(tmp_path))
     again = restarted.generate(prompt + random_ids(9, seed=17), PARAMS)
-    assert again.cached_tokens == disk_hits(restarted) == 40
+    assert again.cached_tokens == disk_hits(restarted) == 36
