@@ -74,6 +74,11 @@ def test_restart_serves_the_prefix_from_disk(llama, tmp_path):
     out = second.generate(follow_up, PARAMS)
     assert out.cached_tokens == disk_hits(second) == 68  # 17 full blocks of the 70-token prompt
     assert_same(out, cold.generate(follow_up, PARAMS))
+    # the blocks read back hold, bit for bit, the KV the first engine's prefill wrote
+    keys = _prompt_hashes(first, prompt)[:17]
+    for ours, theirs in zip(second.kv_cache.layers, first.kv_cache.layers, strict=True):
+        read_back = ours[[second.kv_manager.allocator.cached[k] for k in keys]]
+        assert torch.equal(read_back, theirs[[first.kv_manager.allocator.cached[k] for k in keys]])
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "lfm2_moe"])
