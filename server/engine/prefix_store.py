@@ -109,14 +109,25 @@ class PrefixStore:
         while True:
             kind, items, copies, size = self._queue.get()
             try:
-                with serialized_device_work(self.device):  # MPS: no device call beside the engine's
-                    host = [copy.wait() for copy in copies]
-                for row, (_, key, path) in enumerate(items):
-                    self.on_written(kind, key, self._write(kind, key, path, [t[row] for t in host]))
-                    with self._space:
-                        self._queued_bytes -= size
+                self._write_job(kind, items, copies, size)
+            except Exception:  # the thread must live on: drain() waits for every job
+                log.exception("prefix cache: a write failed")
             finally:
                 self._queue.task_done()
+
+    def _write_job(self, kind: str, items: list[tuple[int, bytes, Path]], copies: list, size: int) -> None:
+        reported = 0
+        try:
+            with serialized_device_work(self.device):  # MPS: no device call beside the engine's
+                host = [copy.wait() for copy in copies]
+            for row, (_, key, path) in enumerate(items):
+                self.on_written(kind, key, self._write(kind, key, path, [t[row] for t in host]))
+                reported += 1
+        finally:
+            for _, key, _ in items[reported:]:  # not written: the tier may queue them again
+                self.on_written(kind, key, None)
+            with self._space:
+                self._queued_bytes -= size * len(items)
 
     def _write(self, kind: str, key: bytes, path: Path, tensors: list[torch.Tensor]) -> int | None:
         metadata = {"format": FORMAT, "model": self.fingerprint, "kind": kind, "key": key.hex(),
@@ -127,7 +138,7 @@ class PrefixStore:
             save_file({f"t{i}": t.contiguous() for i, t in enumerate(tensors)}, tmp, metadata)
             os.replace(tmp, path)
             return path.stat().st_size
-        except OSError as exc:
+        except Exception as exc:  # a full disk, a removed directory, a tensor safetensors refuses
             log.warning("prefix cache: could not write %s: %s", path, exc)
             tmp.unlink(missing_ok=True)
             return None

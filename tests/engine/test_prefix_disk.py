@@ -235,3 +235,21 @@ def test_hybrid_next_turn_that_re_renders_the_reply_reuses_the_prompt_end_state(
     restarted = make_engine(path, prefix_cache_dir=str(tmp_path))
     again = restarted.generate(prompt + random_ids(9, seed=17), PARAMS)
     assert again.cached_tokens == disk_hits(restarted) == 36
+
+
+def test_a_failing_write_is_logged_and_retried_later_never_hangs(llama, tmp_path, monkeypatch, caplog):
+    from server.engine import prefix_store
+
+    engine = make_engine(llama, prefix_cache_dir=str(tmp_path))
+    engine.generate(random_ids(30, seed=18), PARAMS)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="server.engine.prefix_store"):
+        patch.setattr(prefix_store, "save_file", full_disk)
+        assert engine.save_prefix_cache(wait=False) is True  # queued; the writer fails each file
+        engine.kv_manager.disk.io.drain()
+    assert not files(engine, KV) and any("No space left" in r.getMessage() for r in caplog.records)
+    engine.save_prefix_cache()  # the space came back: the same blocks are written now
+    assert len(files(engine, KV)) == len(engine.kv_manager.allocator.cached) == 9  # 37 tokens computed
