@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from server.engine.device import serialized_device_work
 from server.engine.prefix_disk import KV, STATE
+from server.kernels import devices
 from server.kernels.streams import DeviceStreams
 from server.version import installed_version
 
@@ -188,8 +189,10 @@ class PrefixStore:
 
     def load(self, kind: str, items: Sequence[tuple[int, list[torch.Tensor]]]) -> None:
         index = torch.tensor([slot for slot, _ in items], dtype=torch.int64).to(self.device, non_blocking=True)
+        pinned = devices.pins_host_memory(self.device)  # then each layer's copy runs while the next is gathered
         for i, t in enumerate(self.tensors[kind]):
-            rows = torch.stack([payload[i] for _, payload in items])
+            rows = torch.empty((len(items), *t.shape[1:]), dtype=t.dtype, pin_memory=pinned)
+            torch.stack([payload[i] for _, payload in items], out=rows)
             t.index_copy_(0, index, rows.to(self.device, non_blocking=True))
 
 
