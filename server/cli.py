@@ -42,6 +42,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences decoded together (default: {ENGINE_DEFAULTS.scheduler.max_num_seqs})")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="threads of torch's CPU ops (default: half the cores the process may use, at most 8)")
+    parser.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                        help="a disk tier under the prefix cache: KV blocks (and hybrid states) evicted from memory "
+                             "are written here and read back for a later prompt with that prefix, also after a "
+                             "restart (default: none, memory only)")
+    parser.add_argument("--prefix-cache-disk-gb", type=float, default=None, metavar="GB",
+                        help="the disk tier's budget per model; least recently used files go first "
+                             f"(default: {ENGINE_DEFAULTS.cache.prefix_cache_disk_gb:g})")
     parser.add_argument("--config", default=None,
                         help="TOML file with [engine] and [server] tables; flags override it (default: none; "
                              "server/configs/default.toml is an example)")
@@ -68,6 +75,8 @@ def _engine_overrides(args: argparse.Namespace) -> dict:
         "tensor_parallel": args.tensor_parallel,
         "pipeline_parallel": args.pipeline_parallel,
         "cpu_threads": args.cpu_threads,
+        "prefix_cache_dir": args.prefix_cache_dir,
+        "prefix_cache_disk_gb": args.prefix_cache_disk_gb,
     }
 
 
@@ -108,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-warmup", action="store_true",
                        help="do not compile the decode step beside serving at start-up; the first requests then "
                             "wait for it to compile (default: compile at start-up)")
+    serve.add_argument("--warm-prompts", default=None, metavar="FILE",
+                       help='JSON Lines of prompts to prefill into the prefix cache at start-up, one per line: '
+                            '{"messages": [...], "tools": [...]} or {"prompt": "text"} (default: none)')
     serve.add_argument("--allowed-origins", default=None,
                        help="comma-separated CORS origins (default: none, CORS off)")
     serve.add_argument("--shutdown-grace", type=_seconds, default=None, metavar="SECONDS",
@@ -236,11 +248,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "log_level": args.log_level,
         "warmup": False if args.no_warmup else None,
         "shutdown_grace_s": args.shutdown_grace,
+        "warm_prompts": args.warm_prompts,
     }
     config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
 
     def build_engine() -> AsyncEngine:
         engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests, config.server.warmup)
+        if config.server.warm_prompts is not None:
+            from server.engine.warm import warm_prefix_cache
+
+            engine.call(lambda: warm_prefix_cache(engine.engine, config.server.warm_prompts))
         if config.server.warmup:
             engine.compile_in_background()
         freeze_startup_objects()

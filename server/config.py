@@ -38,6 +38,14 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # paged KV only; None: a fraction of free memory (hybrid states included)
     kv_cache_memory_fraction: float = 0.5
+    # a disk tier under the prefix cache: evicted KV blocks (and hybrid state snapshots) are written here and read
+    # back for a later prompt with that prefix, also after a restart; None: memory only
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_gb: float = 16.0  # the disk tier's byte budget per model, least recently used files go first
+
+    def __post_init__(self) -> None:
+        if not self.prefix_cache_disk_gb > 0:
+            raise ValueError(f"prefix_cache_disk_gb must be above 0, got {self.prefix_cache_disk_gb}")
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # longest pause between two reads of a request body (408 after it)
     # compile the decode step beside serving from the start (Engine.compile_in_background); False: on first use
     warmup: bool = True
+    # JSON Lines of prompts prefilled into the prefix cache at start-up (server.engine.warm); None: none
+    warm_prompts: str | None = None
     log_level: str = "info"
 
 

@@ -51,4 +51,5 @@ async def count_tokens(request: Request) -> dict[str, int]:
     req: CountTokensRequest = parse_body(CountTokensRequest, await read_json(request, state.config.max_request_body_bytes))
     prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(),
                                      req.tools_for_template(), req.template_kwargs())
-    return {"input_tokens": engine.count_tokens(prompt)}
+    # any size, even past the context window; off the event loop when the body is large
+    return {"input_tokens": await off_loop_for_body(request, engine.count_tokens, prompt)}

@@ -43,8 +43,21 @@ class _EngineStatsCollector(Collector):
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(f"mps_serve_{name}", doc, value)
         yield CounterMetricFamily(
-            "mps_serve_prefix_cache_hit_tokens", "Prompt tokens served from reused KV", stats.prefix_cache_hit_tokens
+            "mps_serve_prefix_cache_hit_tokens", "Prompt tokens served from reused KV (memory or disk)",
+            stats.prefix_cache_hit_tokens
         )
+        tiers = CounterMetricFamily("mps_serve_prefix_cache_tokens",
+                                    "Prompt tokens by where their KV came from: memory, disk, or computed (miss)",
+                                    labels=["source"])
+        tiers.add_metric(["memory"], stats.prefix_cache_hit_tokens - stats.prefix_cache_disk_hit_tokens)
+        tiers.add_metric(["disk"], stats.prefix_cache_disk_hit_tokens)
+        tiers.add_metric(["miss"], stats.prefix_cache_miss_tokens)
+        yield tiers
+        yield GaugeMetricFamily("mps_serve_prefix_cache_disk_bytes", "Bytes of the prefix cache's disk tier",
+                                stats.prefix_cache_disk_bytes)
+        yield CounterMetricFamily("mps_serve_prefix_cache_disk_writes_dropped",
+                                  "Evicted KV blocks not written to disk because the write queue was full",
+                                  stats.prefix_cache_disk_writes_dropped)
         compile_state = GaugeMetricFamily(
             "mps_serve_compile_state", "1 for the compiled decode step's current state", labels=["state"]
         )

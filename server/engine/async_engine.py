@@ -147,7 +147,7 @@ class AsyncEngine:
         return self._description
 
     def count_tokens(self, prompt: str) -> int:
-        return len(self.engine.inputs.encode_prompt(prompt))
+        return self.engine.inputs.count_tokens(prompt)
 
     def submit(self, prompt: str | list[int] | InfillPrompt, params: SamplingParams,
                request_id: str | None = None) -> AsyncRequestHandle:
@@ -233,13 +233,17 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         engine = self.engine
+        cache_saved = True  # nothing ran since the prefix cache's disk tier last had all cached blocks
         while not self._stopping.is_set():
             self._drain_commands()
             if not engine.has_unfinished:
+                if not cache_saved:  # idle: write what memory caches, so a crash or kill loses little
+                    cache_saved = self._save_prefix_cache()
                 self._stats = engine.stats()
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
                 continue
+            cache_saved = False
             try:
                 deltas = engine.step()
             except StepFailedError as exc:  # only that step's requests fail; the engine serves on
@@ -253,6 +257,14 @@ class AsyncEngine:
             self._deliver(deltas)
             self._stats = engine.stats()
         self._fail_all(EngineError("the server is shutting down"))
+        self._save_prefix_cache(wait=True)  # the next process on this model starts from these prefixes
+
+    def _save_prefix_cache(self, wait: bool = False) -> bool:
+        try:
+            return self.engine.save_prefix_cache(wait)
+        except Exception:
+            log.exception("could not save the prefix cache to disk")
+            return True  # not again until more work ran
 
     def _drain_commands(self) -> None:
         while True:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def chain_hash(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
@@ -38,6 +38,7 @@ class BlockAllocator:
         # Blocks with no owner, oldest first. Those with a hash are still reusable by prefix match.
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_reserved, num_blocks))
         self.num_usable = num_blocks - num_reserved
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (block, hash) about to get new content
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,8 @@ class BlockAllocator:
         old_hash = self.block_hashes[block_id]
         if old_hash is not None and self.cached.get(old_hash) == block_id:
             del self.cached[old_hash]  # evict: the slot gets new content
+            if self.on_evict is not None:
+                self.on_evict(block_id, old_hash)
         self.block_hashes[block_id] = None
         self.ref_counts[block_id] = 1
         return block_id

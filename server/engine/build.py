@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,8 @@ from server.engine import device as device_mod
 from server.engine.block_allocator import BlockAllocator
 from server.engine.kv_manager import KVManager
 from server.engine.model_runner import KVCache, ModelRunner
+from server.engine.prefix_disk import DiskIndex, DiskTier
+from server.engine.prefix_store import PrefixStore, model_fingerprint, store_tensors
 from server.engine.scheduler import Scheduler
 from server.engine.state_cache import StateCache, state_pool, state_pool_bytes
 from server.engine.tokenizer import Tokenizer
@@ -94,6 +97,23 @@ def build_parts(model, config: EngineConfig, device: torch.device, dtype: torch.
     plans = step_plans(device, dtype) if plan_as is None else build_step_plans(plan_as, plan_as.device, dtype)
     runner = ModelRunner(model, kv_cache, device, model.args.vocab_size, state_cache, plans)
     return EngineParts(kv_cache, state_cache, kv_manager, scheduler, runner, plans)
+
+
+def attach_disk_tier(parts: EngineParts, model, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    """With `prefix_cache_dir` set, a disk tier under the prefix cache, in a directory named by the model's
+    fingerprint (prefix_store.model_fingerprint), so another model or build never reads its files."""
+    cache = config.cache
+    if cache.prefix_cache_dir is None or not cache.enable_prefix_caching:
+        return
+    fingerprint = model_fingerprint(model, dtype, config.load.quantization, cache.block_size, state_specs(model))
+    state_layers = parts.state_cache.layers if parts.state_cache is not None else None
+    store = PrefixStore(store_tensors(parts.kv_cache.layers, state_layers), fingerprint, device)
+    root = Path(cache.prefix_cache_dir).expanduser() / fingerprint
+    tier = DiskTier(DiskIndex(root, int(cache.prefix_cache_disk_gb * (1 << 30))), store)
+    store.on_written = tier.written
+    parts.kv_manager.attach_disk(tier)
+    log.info("prefix cache disk tier: %s (%d files, %.2f of %g GB)", root, len(tier.index),
+             tier.index.total_bytes / (1 << 30), cache.prefix_cache_disk_gb)
 
 
 def plan_num_kv_blocks(model, config: EngineConfig, device: torch.device, dtype: torch.dtype,

@@ -26,7 +26,7 @@ import torch
 
 from server.compile.steps import build_steps, child_before_load
 from server.config import EngineConfig
-from server.engine.build import EngineParts, build_parts, load_pretrained
+from server.engine.build import EngineParts, attach_disk_tier, build_parts, load_pretrained
 from server.engine.device import serialized_device_work
 from server.engine.embeddings import Pooling, check_embeddable, embed, read_pooling
 from server.engine.grammar import only_token
@@ -89,6 +89,7 @@ class Engine:
         dtype = next(model.parameters()).dtype
         limit = max_model_len or config.scheduler.max_model_len or model.args.max_position_embeddings
         parts = build_parts(model, config, device, dtype, limit)
+        attach_disk_tier(parts, model, config, device, dtype)
         steps = build_steps(model, config, parts, device, dtype, limit)
         return cls(model, tokenizer, config, device, dtype, limit, config.load.model, parts, steps)
 
@@ -101,12 +102,17 @@ class Engine:
         if config.parallel.tensor_parallel > 1 or config.parallel.pipeline_parallel > 1:
             from server.engine.distributed import start_engine  # torch.distributed: imported where it serves
 
+            if config.cache.prefix_cache_dir is not None:
+                log.warning("prefix_cache_dir is ignored: the disk tier serves one process's KV cache, not a "
+                            "tensor- or pipeline-parallel one")
+
             return cls(*start_engine(config))  # run eagerly: the compiled decode step is one process's
         early = child_before_load(config) if compile_beside_serving else None
         model, tokenizer, device, dtype, max_model_len = load_pretrained(config, on_materialized=early)
         pooling = None if config.load.model == "demo" else read_pooling(resolve_model_path(config.load.model, config.load.revision))
         parts = build_parts(model, config, device, dtype, max_model_len,
                             num_kv_blocks=early.num_kv_blocks if early else None, plan_as=plan_as)
+        attach_disk_tier(parts, model, config, device, dtype)
         steps = build_steps(model, config, parts, device, dtype, max_model_len, early)
         return cls(model, tokenizer, config, device, dtype, max_model_len, config.load.model, parts, steps, pooling)
 
@@ -182,6 +188,7 @@ class Engine:
         out = self.scheduler.schedule()
         try:
             with serialized_device_work(self.device):
+                self.kv_manager.apply_disk_copies()  # evicted blocks out, blocks read from disk in
                 return self._run_step(out)
         except Exception as exc:
             raise self._abandon_step(out, exc) from exc
@@ -282,13 +289,33 @@ class Engine:
             request.token_ids.pop()
         self.scheduler.finish(request, reason)
 
+    def save_prefix_cache(self, wait: bool = True) -> bool:
+        """Write the cached KV blocks (and hybrid snapshots) that the disk tier lacks, so that the next process on
+        this model finds them. `wait`: until all are written (shutdown); else queue what the writer takes now and
+        return (between requests: a crash then loses little). -> whether all were queued; True without a tier."""
+        if self.kv_manager.disk is None:
+            return True
+        while True:
+            with serialized_device_work(self.device):  # the writer waits for its copies outside this lock
+                done = self.kv_manager.save_to_disk()
+            if not wait:
+                return done
+            self.kv_manager.disk.io.drain()
+            if done:
+                return True
+
     def stats(self) -> EngineStats:
+        disk = self.kv_manager.disk
         return EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             kv_blocks_used=self.kv_manager.num_used_blocks,
             kv_blocks_free=self.kv_manager.num_free_blocks,
             prefix_cache_hit_tokens=self.scheduler.num_prefix_hit_tokens,
+            prefix_cache_disk_hit_tokens=self.scheduler.num_prefix_disk_hit_tokens,
+            prefix_cache_miss_tokens=self.scheduler.num_prefix_miss_tokens,
+            prefix_cache_disk_bytes=disk.index.total_bytes if disk is not None else 0,
+            prefix_cache_disk_writes_dropped=disk.counts.writes_dropped if disk is not None else 0,
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generated_tokens,
             compile_state=self.compile_state,

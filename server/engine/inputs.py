@@ -106,6 +106,16 @@ class Inputs:
         min_tokens = self.tokenizer.min_num_tokens(prompt)
         if min_tokens >= self.max_model_len:
             raise ContextLengthExceededError(min_tokens, self.max_model_len, at_least=True)
+        return self._encode(prompt)
+
+    def count_tokens(self, prompt: str) -> int:
+        """Tokens of a text prompt of any length: clients count to decide when to compact, so no context check
+        (the request body limit bounds the work)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", param="prompt")
+        return len(self._encode(prompt))
+
+    def _encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=not isinstance(prompt, ChatPrompt))
 
     def chat_prompt(self, messages: list[dict[str, Any]], tools=None, **template_kwargs) -> ChatPrompt:

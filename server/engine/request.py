@@ -30,6 +30,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
     num_cached_tokens: int = 0  # prompt tokens served from reused KV at first admission
+    num_disk_cached_tokens: int = 0  # of those, the ones read from the prefix cache's disk tier
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     return_all_logits: bool = False  # score(): logits of every position, not only the last

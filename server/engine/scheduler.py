@@ -47,7 +47,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_prefix_hit_tokens = 0
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from reused KV, memory or disk
+        self.num_prefix_disk_hit_tokens = 0  # of those, read from the disk tier
+        self.num_prefix_miss_tokens = 0  # prompt tokens computed at first admission
 
     @property
     def has_work(self) -> bool:
@@ -69,7 +71,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._limit(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if num_new <= 0 or request.num_tokens >= request.max_total_tokens:
                 i += 1  # its last token is sampled (in flight): it finishes when that step resolves
                 continue
@@ -84,16 +86,22 @@ class Scheduler:
                 break  # preempted with a token still in flight: recompute once it is known
             if not request.block_ids:
                 self._match_prefix(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._limit(request, min(request.num_tokens - request.num_computed_tokens, budget))
             if not self.kv.allocate(request, request.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
+            self._count_reuse(request)
             self.kv.admit(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return out
+
+    def _limit(self, request: Request, num_new: int) -> int:
+        """Hybrids: a prefill chunk ends at the prompt's last block boundary, so its state snapshot is taken."""
+        start, stop = request.num_computed_tokens, self.kv.prompt_snapshot_position(request)
+        return stop - start if stop is not None and start < stop < start + num_new else num_new
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         end = request.num_computed_tokens + num_new
@@ -105,7 +113,13 @@ class Scheduler:
         request.num_computed_tokens = self.kv.match_prefix(request)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
-            self.num_prefix_hit_tokens += request.num_computed_tokens
+
+    def _count_reuse(self, request: Request) -> None:
+        """At first admission: the prompt's tokens served from memory, from disk, and computed."""
+        if request.num_preemptions == 0:
+            self.num_prefix_hit_tokens += request.num_cached_tokens
+            self.num_prefix_disk_hit_tokens += request.num_disk_cached_tokens
+            self.num_prefix_miss_tokens += request.num_prompt_tokens - request.num_cached_tokens
 
     def _reserve_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate(request, request.num_computed_tokens + num_new):

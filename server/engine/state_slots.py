@@ -7,6 +7,8 @@
   is a multiple of block_size, keyed by the chained hash of the last full block (Request.block_hashes), so
   the key names exactly the tokens the state has consumed. Each running sequence keeps one rolling snapshot
   (its latest block boundary); when it finishes the snapshot stays cached (LRU) for the next chat turn.
+  The snapshot at the prompt's last full block (`keep`) does not roll: decode takes another slot, so the next
+  turn, whose prompt extends this one but may re-render the reply (templates drop past reasoning), finds it.
   A snapshot's key is published only when the step carrying its copy is launched (`publish`).
 
 A hybrid may only reuse prefix KV up to a block boundary whose state snapshot exists (`StateSlots.match`);
@@ -16,7 +18,7 @@ the snapshot is copied into its live slot before its first step.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class StateSlots:
@@ -34,6 +36,8 @@ class StateSlots:
         self.pins: dict[int, int] = {}  # snapshot slot -> restores not yet copied out
         self.restore: dict[str, int] = {}  # request id -> snapshot to copy into its live slot first
         self.unpublished: dict[int, bytes] = {}  # snapshot slot -> key, until its save is launched
+        self.kept: set[int] = set()  # snapshot slots their owner does not roll forward (the prompt's end)
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (slot, key) of a cached snapshot overwritten
 
     @property
     def num_slots(self) -> int:
@@ -52,12 +56,30 @@ class StateSlots:
                 return num_blocks
         return 0
 
+    def longest(self, block_hashes: Sequence[bytes]) -> int:
+        """`match`'s answer, without taking anything."""
+        return next((n for n in range(len(block_hashes), 0, -1) if block_hashes[n - 1] in self.slot_of_hash), 0)
+
+    def take_for_restore(self, request_id: str, key: bytes) -> int | None:
+        """A snapshot slot for a state read from disk, published under `key` at once (its copy is queued before
+        the next step) and pinned for the request's restore; None when every snapshot slot is owned or pinned."""
+        self._drop_restore(request_id)
+        slot = self._spare_slot()
+        if slot is None:
+            return None
+        self.slot_of_hash[key], self.hash_of_slot[slot] = slot, key
+        self.restore[request_id] = slot
+        self.pins[slot] = self.pins.get(slot, 0) + 1
+        return slot
+
     def admit(self) -> int:
         """A live slot for a sequence entering the running set (the scheduler bounds them by num_live)."""
         return self.free_live.pop()
 
-    def plan(self, request_id: str, block_hashes: Sequence[bytes], start: int) -> tuple[int | None, int | None]:
-        """(snapshot to restore, snapshot slot to save into) before the step whose first position is `start`."""
+    def plan(self, request_id: str, block_hashes: Sequence[bytes], start: int,
+             keep: bool = False) -> tuple[int | None, int | None]:
+        """(snapshot to restore, snapshot slot to save into) before the step whose first position is `start`;
+        `keep`: the saved snapshot is not rolled forward by the sequence's later saves."""
         restore = self.restore.pop(request_id, None)
         if restore is not None:
             self._unpin(restore)
@@ -71,6 +93,8 @@ class StateSlots:
         slot = self._take_snapshot_slot(request_id)
         if slot is not None:
             self.unpublished[slot] = key
+            if keep:
+                self.kept.add(slot)
         return None, slot
 
     def publish(self, slot: int) -> None:
@@ -93,21 +117,31 @@ class StateSlots:
     def _take_snapshot_slot(self, request_id: str) -> int | None:
         slot = self.owned.get(request_id)
         if slot is not None:
-            if not self.pins.get(slot):
+            if not self.pins.get(slot) and slot not in self.kept:
                 self._forget_key(slot)
                 return slot  # roll this sequence's snapshot forward
-            del self.owned[request_id], self.owner_of[slot]  # someone will restore it: leave it cached
+            del self.owned[request_id], self.owner_of[slot]  # restored by someone, or kept: leave it cached
+            self._maybe_evictable(slot)
+        slot = self._spare_slot()
+        if slot is not None:
+            self.owned[request_id], self.owner_of[slot] = slot, request_id
+        return slot
+
+    def _spare_slot(self) -> int | None:
+        """A free snapshot slot, else the least recently used cached one (its state evicted), else None."""
         if self.free_snapshots:
-            slot = self.free_snapshots.pop()
-        elif self.evictable:
-            slot, _ = self.evictable.popitem(last=False)
-            self._forget_key(slot)
-        else:
+            return self.free_snapshots.pop()
+        if not self.evictable:
             return None
-        self.owned[request_id], self.owner_of[slot] = slot, request_id
+        slot, _ = self.evictable.popitem(last=False)
+        key = self.hash_of_slot.get(slot)
+        if key is not None and self.on_evict is not None:
+            self.on_evict(slot, key)
+        self._forget_key(slot)
         return slot
 
     def _forget_key(self, slot: int) -> None:
+        self.kept.discard(slot)
         self.unpublished.pop(slot, None)
         key = self.hash_of_slot.pop(slot, None)
         if key is not None and self.slot_of_hash.get(key) == slot:
@@ -133,4 +167,5 @@ class StateSlots:
             self.evictable.move_to_end(slot)
         else:
             self.unpublished.pop(slot, None)
+            self.kept.discard(slot)
             self.free_snapshots.append(slot)

@@ -242,7 +242,11 @@ class EngineStats:
     num_running: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
-    prefix_cache_hit_tokens: int = 0  # prompt tokens served from reused KV since start
+    prefix_cache_hit_tokens: int = 0  # prompt tokens served from reused KV since start (memory or disk)
+    prefix_cache_disk_hit_tokens: int = 0  # of those, read from the disk tier
+    prefix_cache_miss_tokens: int = 0  # prompt tokens computed
+    prefix_cache_disk_bytes: int = 0  # files of the disk tier
+    prefix_cache_disk_writes_dropped: int = 0  # evicted blocks not written: the write queue was full
     prompt_tokens: int = 0
     generation_tokens: int = 0
     compile_state: str = "off"  # Engine.compile_state, one of COMPILE_STATES

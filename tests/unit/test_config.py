@@ -30,7 +30,7 @@ def test_every_flat_name_lands_in_its_section_under_the_same_name():
         "model": "load", "revision": "load", "device": "load", "dtype": "load", "quantization": "load",
         "cpu_threads": "load",
         "block_size": "cache", "enable_prefix_caching": "cache", "kv_cache_memory_bytes": "cache",
-        "kv_cache_memory_fraction": "cache",
+        "kv_cache_memory_fraction": "cache", "prefix_cache_dir": "cache", "prefix_cache_disk_gb": "cache",
         "max_num_seqs": "scheduler", "max_num_batched_tokens": "scheduler", "max_model_len": "scheduler",
         "compile": "compilation", "cuda_graphs": "compilation", "compile_prefill": "compilation",
         "tensor_parallel": "parallel", "pipeline_parallel": "parallel", "distributed_timeout_s": "parallel",
@@ -124,7 +124,7 @@ def test_flags_override_either_form(tmp_path):
     ('[engine]\nno_such = 1\n', r"unknown keys \['no_such'\] in \[engine\]; valid keys are \[.*'\[engine\.cache\]'"),
     ('[engine.cache]\nno_such = 1\n', r"unknown keys \['no_such'\] in \[engine\.cache\]; valid keys are "
                                       r"\['block_size', 'enable_prefix_caching', 'kv_cache_memory_bytes', "
-                                      r"'kv_cache_memory_fraction'\]"),
+                                      r"'kv_cache_memory_fraction', 'prefix_cache_dir', 'prefix_cache_disk_gb'\]"),
     ('[cache]\nblock_size = 8\n', r"unknown sections \['cache'\] \(\[cache\] is \[engine\.cache\]\)"),
     ('[engine]\nblock_size = 8\n[engine.cache]\nblock_size = 16\n', r"\['block_size'\] given twice"),
     ('[engine]\ncache = 16\n', r"cache is a table \(\[engine\.cache\]\)"),
@@ -132,3 +132,14 @@ def test_flags_override_either_form(tmp_path):
 def test_a_misplaced_or_unknown_key_names_where_it_belongs(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
         load_config(write(tmp_path, text))
+
+
+def test_prefix_cache_disk_settings_from_toml_and_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[engine.cache]\nprefix_cache_dir = "/tmp/kv"\nprefix_cache_disk_gb = 2.5\n'
+                    '[server]\nwarm_prompts = "warm.jsonl"\n')
+    config = load_config(path, engine={"prefix_cache_disk_gb": 4.0})
+    assert config.engine.cache.prefix_cache_dir == "/tmp/kv" and config.engine.cache.prefix_cache_disk_gb == 4.0
+    assert config.server.warm_prompts == "warm.jsonl"
+    with pytest.raises(ValueError, match="prefix_cache_disk_gb"):
+        EngineConfig.from_flat(prefix_cache_disk_gb=0)

@@ -14,6 +14,7 @@ ORDER = ["api", "engine", "compile", "models", "kernels"]
 ENGINE_LOOP = {"engine/engine.py", "engine/async_engine.py"}
 # Torch-free modules: the scheduler and KV bookkeeping are tested without a device; the API never sees torch.
 TORCH_FREE = ["api", "config.py", "engine/scheduler.py", "engine/kv_manager.py", "engine/block_allocator.py",
+              "engine/prefix_disk.py",
               "engine/state_slots.py", "engine/request.py", "engine/types.py", "engine/protocol.py",
               "compile/background.py", "compile/child.py"]
 FORBIDDEN_IN_ENGINE = {"fastapi", "pydantic", "starlette", "uvicorn"}
