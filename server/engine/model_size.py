@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from server.config import EngineConfig
+from server.engine.build import kv_budget_bytes
 from server.engine.device import select_device, select_dtype
 from server.engine.mlx_checkpoint import checkpoint_spec, mlx_quantization, recipe_spec
 from server.engine.model_runner import KVCache
@@ -143,7 +144,8 @@ def describe(sizes: ModelSizes, stored: tuple[str, FormSize] | None = None) -> l
 
 def estimated_resident_bytes(config: EngineConfig) -> int:
     """Bytes the model of `config` takes once loaded, from its config.json alone: its weights as they will be held,
-    plus the KV cache when its size is set. A memory budget checks this before loading."""
+    plus its KV cache as configured, else the share of free memory it would take now (at most that). A memory
+    budget checks this before loading."""
     load = config.load
     if load.model == "demo":
         from server.engine.demo import ensure_demo_model
@@ -159,4 +161,4 @@ def estimated_resident_bytes(config: EngineConfig) -> int:
         size = stored_size(hf_config, recipe_spec(table["bits"], table["group_size"]), dtype)
     else:
         size = form_size(empty_model(hf_config, "meta", dtype, load.quantization))
-    return size.weight_bytes + (config.cache.kv_cache_memory_bytes or 0)
+    return size.weight_bytes + kv_budget_bytes(config, device, 0)
