@@ -125,6 +125,13 @@ class ModelRegistry:
                 engine = await asyncio.to_thread(slot.spec.build)
                 await engine.start()
                 slot.engine = engine
+        except APIError:
+            raise
+        except Exception as exc:  # the next request for the model tries again
+            logger.error("could not load the model %s: %s", slot.spec.name, exc)
+            text = " ".join(str(exc).split()) or type(exc).__name__
+            raise APIError(503, f"The model {slot.spec.name!r} could not be loaded: {text}",
+                           code="model_load_failed") from None
         finally:
             slot.loading = None
 
@@ -158,9 +165,10 @@ class ModelRegistry:
             for slot in self.slots:
                 if (slot.engine is not None and slot.loading is None and slot.expires_at is not None
                         and slot.expires_at <= now and slot.idle):
-                    logger.info("unloading model %s: idle past its keep-alive", slot.spec.name)
                     async with self._load_lock:
-                        await self._unload(slot)
+                        if slot.idle:  # a request may have picked it while this waited for the lock
+                            logger.info("unloading model %s: idle past its keep-alive", slot.spec.name)
+                            await self._unload(slot)
 
     def start(self) -> None:
         self._reaper = asyncio.get_running_loop().create_task(self._reap())

@@ -207,3 +207,24 @@ def test_unknown_model_is_a_404_in_each_protocol(checkpoints) -> None:
             ollama.Client(host=running.url).generate(model="nope", prompt="hi")
         assert err.value.status_code == 404 and "qwen" in err.value.error
         assert builds.count == {}
+
+
+def test_a_failed_load_is_a_503_and_the_next_request_tries_again(checkpoints, tmp_path) -> None:
+    builds = Builds()
+    missing = tmp_path / "later"
+    spec = builds.spec("llama-a", checkpoints["llama-a"])
+
+    def build_late():
+        from server.engine.async_engine import AsyncEngine
+
+        builds.count["late"] = builds.count.get("late", 0) + 1
+        return AsyncEngine.from_config(_engine_config(str(missing)))
+
+    late = ModelSpec("late", (), build_late, spec.size_bytes)  # its checkpoint is written after the first try
+    with _serve([spec, late], budget=1 << 34) as running:
+        failed = running.post("/v1/completions", {"model": "late", "prompt": "hi", "max_tokens": 2})
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_load_failed"
+        assert "'late' could not be loaded" in failed.json()["error"]["message"]
+        build_tiny("llama", missing, seed=5)
+        out = running.client().completions.create(model="late", prompt="hi", max_tokens=2)
+        assert out.model == "late" and builds.count == {"late": 2}
