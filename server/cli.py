@@ -299,14 +299,17 @@ def model_registry(config: Config, names: list[str]) -> ModelRegistry:
     from server.engine.device import memory_budget_bytes
     from server.engine.model_size import estimated_resident_bytes
 
+    if config.server.served_model_name or config.server.model_aliases:
+        raise ValueError("--served-model-name and model_aliases name the one model; with several, give each its "
+                         "aliases in a [[models]] table")
     entries = [ModelConfig(model=name) for name in names] + list(config.models)
     specs = []
     for entry in entries:
         settings = {"model": entry.model, "quantization": entry.quantization or config.engine.load.quantization,
                     "max_model_len": entry.max_model_len or config.engine.scheduler.max_model_len}
         engine_config = config.engine.replace_flat(**settings)
-        specs.append(ModelSpec(entry.model, entry.aliases, engine_builder(config, engine_config, freeze=False),
-                               estimated_resident_bytes(engine_config)))
+        build = engine_builder(config, engine_config, freeze=False)
+        specs.append(ModelSpec(entry.name or entry.model, entry.aliases, build, estimated_resident_bytes(engine_config)))
     gb = config.server.models_memory_gb
     budget = int(gb * 2**30) if gb is not None else memory_budget_bytes(config.engine.load.device)
     return ModelRegistry(specs, budget, config.server.keep_alive_s)

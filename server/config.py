@@ -176,6 +176,7 @@ class ModelConfig:
     """One [[models]] entry: a model the server loads on the first request that names it (or an alias)."""
 
     model: str
+    name: str | None = None  # what requests call it; None: `model` as given
     aliases: tuple[str, ...] = ()
     quantization: str | None = None
     max_model_len: int | None = None

@@ -72,7 +72,9 @@ class ModelRegistry:
         self._by_name: dict[str, ModelSlot] = {}
         for slot in self.slots:
             for name in (slot.spec.name, *slot.spec.aliases):
-                self._by_name.setdefault(name, slot)
+                if name in self._by_name:
+                    raise ValueError(f"the model name {name!r} is given twice; each name must pick one model")
+                self._by_name[name] = slot
         self._load_lock = asyncio.Lock()
         self._reaper: asyncio.Task | None = None
 

@@ -4,8 +4,10 @@ small budget, no request cut by an eviction, and each protocol's 404."""
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,6 +49,7 @@ class Builds:
 
     def __init__(self) -> None:
         self.count: dict[str, int] = {}
+        self.built: list[weakref.ref] = []  # every engine built, to check that an unloaded one is freed
         self.lock = threading.Lock()
 
     def spec(self, name: str, path: str, aliases: tuple[str, ...] = (), kv_bytes: int = KV_BYTES) -> ModelSpec:
@@ -56,7 +59,9 @@ class Builds:
         def build():
             with self.lock:
                 self.count[name] = self.count.get(name, 0) + 1
-            return AsyncEngine.from_config(_engine_config(path, kv_bytes))
+            engine = AsyncEngine.from_config(_engine_config(path, kv_bytes))
+            self.built.append(weakref.ref(engine.engine))
+            return engine
 
         return ModelSpec(name, aliases, build, estimated_resident_bytes(_engine_config(path, kv_bytes)))
 
@@ -137,6 +142,8 @@ def test_idle_unload_after_keep_alive_and_ollama_keep_alive(checkpoints) -> None
         running.client().completions.create(model="llama-a", prompt="hi", max_tokens=2)
         assert _loaded(running) == ["llama-a"]
         wait_until(lambda: _loaded(running) == [], timeout_s=10)
+        gc.collect()
+        assert builds.built[0]() is None  # the unloaded engine (model, KV cache) is freed
         client = ollama.Client(host=running.url)
         client.generate(model="llama-b", prompt="hi", raw=True, options={"num_predict": 2}, keep_alive=-1)
         ps = running.get("/api/ps").json()["models"]

@@ -188,7 +188,7 @@ def test_serve_with_several_models_builds_a_registry(tmp_path, monkeypatch):
     toml = tmp_path / "models.toml"
     kv = 1 << 20
     toml.write_text(f'[engine.cache]\nkv_cache_memory_bytes = {kv}\n\n[[models]]\nmodel = "demo"\n'
-                    'aliases = ["small", "tiny"]\nquantization = "int8"\n'
+                    'name = "demo-int8"\naliases = ["small", "tiny"]\nquantization = "int8"\n'
                     'max_model_len = 64\n')
     seen = {}
 
@@ -197,12 +197,14 @@ def test_serve_with_several_models_builds_a_registry(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr("server.api.server.run_server", run_server)
-    assert cli.main(["serve", "demo", str(tmp_path / "missing-is-fine-until-used"), "--device", "cpu"]) == 2
+    assert cli.main(["serve", "demo", str(tmp_path / "missing"), "--device", "cpu"]) == 2  # no config.json
+    assert cli.main(["serve", "demo", str(toml), "--served-model-name", "x"]) == 2
+    assert cli.main(["serve", "demo", "demo", "--device", "cpu"]) == 2  # one name, two models
     args = ["serve", "demo", "--device", "cpu", "--config", str(toml), "--keep-alive", "60", "--models-memory-gb", "1.5"]
     assert cli.main(args) == 0
     registry = seen["models"]
     assert seen["factory"] is None
-    assert registry.names() == ["demo", "small", "tiny"]  # the first model keeps "demo"; the entry its aliases
+    assert registry.names() == ["demo", "demo-int8", "small", "tiny"]
     assert registry.budget_bytes == int(1.5 * 2**30)
     assert [slot.keep_alive_s for slot in registry.slots] == [60.0, 60.0]
     plain, int8 = registry.slots
