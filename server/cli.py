@@ -10,9 +10,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from server.config import EngineConfig, ServerConfig, load_config
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from server.config import Config, EngineConfig, ModelConfig, ServerConfig, load_config
 from server.engine.types import EngineError
 from server.version import installed_version
+
+if TYPE_CHECKING:
+    from server.api.model_registry import ModelRegistry
+    from server.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -23,10 +30,11 @@ DEVICES = ["auto", "mps", "cuda", "cpu"]
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
+def _add_model_args(parser: argparse.ArgumentParser, several: bool = False) -> None:
+    parser.add_argument("model", nargs="*" if several else "?", default=None,
                         help="local Hugging Face checkpoint directory, Hub repo id, or 'demo' (default: the config "
-                             f"file's model, else {ENGINE_DEFAULTS.load.model}: a tiny random-weight model, no download)")
+                             f"file's model, else {ENGINE_DEFAULTS.load.model}: a tiny random-weight model, no download)"
+                             + ("; several: each loads on the first request that names it" if several else ""))
     parser.add_argument("--device", choices=DEVICES, default=None,
                         help=f"where the model runs; auto picks mps, then cuda, then cpu (default: {ENGINE_DEFAULTS.load.device})")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=None,
@@ -66,7 +74,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_overrides(args: argparse.Namespace) -> dict:
     return {
-        "model": args.model,
+        "model": args.model[0] if isinstance(args.model, list) and args.model else args.model or None,
         "device": args.device,
         "dtype": args.dtype,
         "quantization": args.quantize,  # "none" overrides a config file's fp8; EngineConfig normalizes it
@@ -106,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = [_global_flags(argparse.SUPPRESS)]
 
     serve = sub.add_parser("serve", help="start the OpenAI-compatible HTTP server", parents=common)
-    _add_model_args(serve)
+    _add_model_args(serve, several=True)
     serve.add_argument("--host", default=None, help=f"bind address (default: {SERVER_DEFAULTS.host})")
     serve.add_argument("--port", type=_port, default=None, help=f"TCP port (default: {SERVER_DEFAULTS.port})")
     serve.add_argument("--api-key", default=None,
@@ -125,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=_seconds, default=None, metavar="SECONDS",
                        help="on Ctrl-C / SIGTERM, how long streams in flight get to finish before they are aborted; "
                             f"a second Ctrl-C exits at once (default: {SERVER_DEFAULTS.shutdown_grace_s:g})")
+    serve.add_argument("--keep-alive", type=float, default=None, metavar="SECONDS",
+                       help="with several models: how long one stays loaded after its last request; negative: "
+                            f"until evicted (default: {SERVER_DEFAULTS.keep_alive_s:g})")
+    serve.add_argument("--models-memory-gb", type=float, default=None, metavar="GB",
+                       help="with several models: the memory all loaded ones may take together; the least recently "
+                            "used idle one is unloaded to make room (default: the recommended working set on a Mac, "
+                            "the GPU's memory on CUDA, physical memory on the CPU)")
 
     gen = sub.add_parser("generate", help="generate text once and print it (no server)", parents=common)
     _add_model_args(gen)
@@ -236,7 +251,6 @@ def readable(line: str, width: int = 110) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from server.api.server import run_server
-    from server.engine.async_engine import AsyncEngine
 
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()) if args.allowed_origins else None
     server_overrides = {
@@ -249,21 +263,56 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "warmup": False if args.no_warmup else None,
         "shutdown_grace_s": args.shutdown_grace,
         "warm_prompts": args.warm_prompts,
+        "keep_alive_s": args.keep_alive,
+        "models_memory_gb": args.models_memory_gb,
     }
     config = load_config(args.config, engine=_engine_overrides(args), server=server_overrides)
+    if len(args.model or []) > 1 or config.models:
+        return run_server(config, None, models=model_registry(config, args.model or []))
+    return run_server(config, engine_builder(config, config.engine, freeze=True))
+
+
+def engine_builder(config: Config, engine_config: EngineConfig, freeze: bool) -> Callable[[], AsyncEngine]:
+    """The engine factory of `serve`: `freeze` only with one model, whose objects live as long as the process."""
 
     def build_engine() -> AsyncEngine:
-        engine = AsyncEngine.from_config(config.engine, config.server.max_waiting_requests, config.server.warmup)
+        from server.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine.from_config(engine_config, config.server.max_waiting_requests, config.server.warmup)
         if config.server.warm_prompts is not None:
             from server.engine.warm import warm_prefix_cache
 
             engine.call(lambda: warm_prefix_cache(engine.engine, config.server.warm_prompts))
         if config.server.warmup:
             engine.compile_in_background()
-        freeze_startup_objects()
+        if freeze:
+            freeze_startup_objects()
         return engine
 
-    return run_server(config, build_engine)
+    return build_engine
+
+
+def model_registry(config: Config, names: list[str]) -> ModelRegistry:
+    """Several models: the MODEL arguments, then the [[models]] entries of the config file, each estimated
+    (config.json only) for the memory budget and built on its first request."""
+    from server.api.model_registry import ModelRegistry, ModelSpec
+    from server.engine.device import memory_budget_bytes
+    from server.engine.model_size import estimated_resident_bytes
+
+    if config.server.served_model_name or config.server.model_aliases:
+        raise ValueError("--served-model-name and model_aliases name the one model; with several, give each its "
+                         "aliases in a [[models]] table")
+    entries = [ModelConfig(model=name) for name in names] + list(config.models)
+    specs = []
+    for entry in entries:
+        settings = {"model": entry.model, "quantization": entry.quantization or config.engine.load.quantization,
+                    "max_model_len": entry.max_model_len or config.engine.scheduler.max_model_len}
+        engine_config = config.engine.replace_flat(**settings)
+        build = engine_builder(config, engine_config, freeze=False)
+        specs.append(ModelSpec(entry.name or entry.model, entry.aliases, build, estimated_resident_bytes(engine_config)))
+    gb = config.server.models_memory_gb
+    budget = int(gb * 2**30) if gb is not None else memory_budget_bytes(config.engine.load.device)
+    return ModelRegistry(specs, budget, config.server.keep_alive_s)
 
 
 def freeze_startup_objects() -> None:

@@ -165,12 +165,28 @@ class ServerConfig:
     # JSON Lines of prompts prefilled into the prefix cache at start-up (server.engine.warm); None: none
     warm_prompts: str | None = None
     log_level: str = "info"
+    # several models: how long one stays loaded after its last request (< 0: always), and the bytes all loaded
+    # ones may take together (None: the device's memory, engine.device.memory_budget_bytes)
+    keep_alive_s: float = 300.0
+    models_memory_gb: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One [[models]] entry: a model the server loads on the first request that names it (or an alias)."""
+
+    model: str
+    name: str | None = None  # what requests call it; None: `model` as given
+    aliases: tuple[str, ...] = ()
+    quantization: str | None = None
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
 class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    models: tuple[ModelConfig, ...] = ()  # several models; empty: the one of [engine]
 
 
 def _place(key: str) -> str | None:
@@ -186,11 +202,11 @@ def _unknown(keys: list[str], table: str, valid: list[str], source: str) -> Valu
     return ValueError(f"{source}: unknown keys {keys} in {table}{where}; valid keys are {valid}")
 
 
-def _build(cls: type, values: dict[str, Any], source: str) -> Any:
+def _build(cls: type, values: dict[str, Any], source: str, table: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise _unknown(unknown, "[server]", sorted(known), source)
+        raise _unknown(unknown, table, sorted(known), source)
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return cls(**values)
 
@@ -232,11 +248,12 @@ def load_config(path: str | Path | None = None, **overrides: dict[str, Any]) -> 
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
     sections = {"engine": EngineConfig, "server": ServerConfig}
+    models = data.pop("models", [])
     unknown = sorted(set(data) - set(sections))
     if unknown:
         nested = [f"[{n}] is [engine.{n}]" for n in unknown if n in ENGINE_SECTIONS]
         hint = f" ({'; '.join(nested)})" if nested else ""
-        raise ValueError(f"{source}: unknown sections {unknown}{hint}; use [engine] and [server]")
+        raise ValueError(f"{source}: unknown sections {unknown}{hint}; use [engine], [server] and [[models]]")
     built = {}
     for name, cls in sections.items():
         values = dict(data.get(name, {}))
@@ -245,5 +262,7 @@ def load_config(path: str | Path | None = None, **overrides: dict[str, Any]) -> 
             built[name] = _build_engine(values, given, source)
         else:
             values.update(given)
-            built[name] = _build(cls, values, source)
-    return Config(**built)
+            built[name] = _build(cls, values, source, f"[{name}]")
+    if not isinstance(models, list) or not all(isinstance(m, dict) and "model" in m for m in models):
+        raise ValueError(f"{source}: [[models]] entries are tables, each with a `model` key")
+    return Config(**built, models=tuple(_build(ModelConfig, m, source, "[[models]]") for m in models))

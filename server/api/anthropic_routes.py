@@ -30,8 +30,8 @@ router = APIRouter(route_class=shaped_route(error_response))  # errors in Anthro
 async def messages(request: Request) -> Response:
     started_at = time.monotonic()
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
     req: MessagesRequest = parse_body(MessagesRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     req.check_thinking()
     params = req.to_sampling_params()
     validate_params(params, {"stop": "stop_sequences"})
@@ -47,8 +47,8 @@ async def messages(request: Request) -> Response:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
     req: CountTokensRequest = parse_body(CountTokensRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     prompt = await off_loop_for_body(request, render_prompt, engine, req.template_messages(),
                                      req.tools_for_template(), req.template_kwargs())
     # any size, even past the context window; off the event loop when the body is large

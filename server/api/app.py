@@ -24,6 +24,7 @@ from server.api import (
     responses_routes,
 )
 from server.api.errors import install_error_handlers
+from server.api.model_registry import ModelLeaseMiddleware, ModelRegistry
 from server.api.middleware import AuthMiddleware, StatusMetricsMiddleware, UnversionedPathMiddleware
 from server.api.openapi import install_openapi
 from server.api.routes import router
@@ -34,20 +35,28 @@ from server.engine.protocol import ServingEngine
 
 
 def create_app(
-    engine: ServingEngine | None, server_config: ServerConfig, *, model_name: str | None = None
+    engine: ServingEngine | None, server_config: ServerConfig, *, model_name: str | None = None,
+    models: ModelRegistry | None = None,
 ) -> FastAPI:
-    """`model_name` (the MODEL argument) names the served model before the engine exists."""
+    """`model_name` (the MODEL argument) names the served model before the engine exists. `models`: several
+    models instead of `engine`, each loaded on its first request."""
     state = ServingState(server_config, model_name)
+    if models is not None:
+        state.serve_models(models)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if engine is not None:
             await state.attach(engine)
+        if models is not None:
+            models.start()
         try:
             yield
         finally:
             if state.engine is not None:
                 await state.engine.shutdown()
+            if models is not None:
+                await models.shutdown()
 
     app = FastAPI(title="mps-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serving = state
@@ -61,6 +70,8 @@ def create_app(
     app.include_router(infill.router)
     app.include_router(ollama_routes.router)
     app.include_router(ollama_models.router)
+    if models is not None:
+        app.add_middleware(ModelLeaseMiddleware, registry=models)
     app.add_middleware(BodyTimeoutMiddleware, body_timeout_s=server_config.body_timeout_s)
     # add_middleware puts each new one outermost: the body timeout, auth, then CORS around it (so 401s carry
     # CORS headers and preflights pass), then status counting, then the unversioned paths' rewrite around

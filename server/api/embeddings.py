@@ -62,8 +62,8 @@ def _encode(vector: list[float], encoding_format: str) -> list[float] | str:
 @router.post("/v1/embeddings")
 async def embeddings(request: Request) -> dict[str, Any]:
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
     req: EmbeddingRequest = parse_body(EmbeddingRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     try:
         vectors, num_tokens = await engine.embed(req.prompts(), req.dimensions)
     except Exception as exc:

@@ -172,8 +172,8 @@ async def collect_infill(ctx: ResponseContext, run: InfillRun) -> dict[str, Any]
 async def infill(request: Request) -> Response:
     started_at = time.monotonic()
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
     req: InfillRequest = parse_body(InfillRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(getattr(req, "model", None))
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     validate_params(params, _PARAM_NAMES)
     request_id = f"infill-{uuid.uuid4().hex}"

@@ -10,6 +10,7 @@ served model stays the one loaded at start, and deleting it is refused.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 
 from server.api import ollama_hub
 from server.api.errors import APIError, shaped_route
+from server.api.model_registry import ModelSlot
 from server.api.ollama_output import NDJSONResponse, error_response, ndjson
 from server.api.ollama_schemas import ModelRequest
 from server.api.routes import parse_body, read_json
@@ -69,6 +71,31 @@ def _entry(state: ServingState, name: str) -> dict[str, Any]:
             "details": details(model)}
 
 
+def _slot_entry(name: str, slot: ModelSlot) -> dict[str, Any]:
+    """One of several models: described by its engine while loaded, else by its estimated size alone."""
+    source = f"{name}\0{slot.spec.name}".encode()
+    entry = {"name": name, "model": name, "size": slot.spec.size_bytes, "digest": hashlib.sha256(source).hexdigest(),
+             "details": {"parent_model": "", "format": "safetensors", "family": "", "families": [],
+                         "parameter_size": "", "quantization_level": ""}, "loaded": slot.engine is not None}
+    if slot.engine is not None:
+        model = slot.engine.describe()
+        entry |= {"size": model.weight_bytes, "details": details(model)}
+    return entry
+
+
+def _expires(slot: ModelSlot) -> str:
+    if slot.expires_at is None:
+        return NEVER
+    return datetime.datetime.fromtimestamp(slot.expires_at, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _loaded_entry(name: str, slot: ModelSlot) -> dict[str, Any]:
+    model = slot.engine.describe()
+    on_gpu = model.weight_bytes if model.device != "cpu" else 0
+    return {**_slot_entry(name, slot), "expires_at": _expires(slot), "size_vram": on_gpu,
+            "context_length": model.max_model_len}
+
+
 def _state(request: Request) -> ServingState:
     return request.app.state.serving
 
@@ -76,12 +103,18 @@ def _state(request: Request) -> ServingState:
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
     state = _state(request)
+    if state.models is not None:
+        return {"models": [{**_slot_entry(item["name"], item["slot"]), "modified_at": state.created_at}
+                           for item in state.models.listing()]}
     return {"models": [{**_entry(state, name), "modified_at": state.created_at} for name in state.model_ids]}
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
     state = _state(request)
+    if state.models is not None:
+        return {"models": [_loaded_entry(item["name"], item["slot"]) for item in state.models.listing()
+                           if item["loaded"]]}
     model = state.ready_engine().describe()
     on_gpu = model.weight_bytes if model.device != "cpu" else 0
     return {"models": [{**_entry(state, name), "expires_at": NEVER, "size_vram": on_gpu,
@@ -96,8 +129,8 @@ async def version() -> dict[str, str]:
 @router.post("/api/show")
 async def show(request: Request) -> dict[str, Any]:
     state = _state(request)
-    model = state.ready_engine().describe()
-    parse_body(ModelRequest, await read_json(request, state.config.max_request_body_bytes)).require_model()
+    req = parse_body(ModelRequest, await read_json(request, state.config.max_request_body_bytes))
+    model = (await state.engine_for(req.model_name)).describe()
     arch = model.model_type
     info = {"general.architecture": arch, "general.parameter_count": model.parameter_count,
             f"{arch}.context_length": model.max_model_len, f"{arch}.embedding_length": model.hidden_size,

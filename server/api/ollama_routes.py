@@ -6,8 +6,8 @@ Both generation endpoints submit through the text-completion path of /v1/complet
 is the same) and reads the output with the chat parsers (thinking, tool calls); /api/generate renders its
 `prompt` (and `system`) as one user turn, unless `raw`, and passes `suffix` on as the completion's suffix, where
 fill-in-the-middle lays out prompt and suffix itself (so no template then). `format` goes through the
-structured-output path; `think` sets the template's thinking switch; `keep_alive` is accepted and changes nothing
-(the model stays loaded while the server runs). A chat without messages, or a generate without prompt, only
+structured-output path; `think` sets the template's thinking switch; `keep_alive` sets how long the model stays loaded
+after the request when the server has several models (with one, it stays loaded while the server runs). A chat without messages, or a generate without prompt, only
 answers `done_reason: "load"`, as Ollama does for a load request.
 """
 
@@ -35,7 +35,7 @@ from server.api.ollama_output import (
     stream_chat,
     stream_generate,
 )
-from server.api.ollama_schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest
+from server.api.ollama_schemas import ChatRequest, EmbeddingsRequest, EmbedRequest, GenerateRequest, keep_alive_seconds
 from server.api.reasoning import ReasoningParser, prompt_opens_reasoning
 from server.api.routes import parse_body, read_json, respond, start_completion
 from server.api.schemas import CompletionRequest, Tool, check_parameters, check_tool_name
@@ -48,8 +48,8 @@ router = APIRouter(route_class=shaped_route(error_response), include_in_schema=F
 
 async def _body(request: Request, model: type) -> tuple[ServingState, ServingEngine, Any]:
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
-    return state, engine, parse_body(model, await read_json(request, state.config.max_request_body_bytes))
+    body = parse_body(model, await read_json(request, state.config.max_request_body_bytes))
+    return state, await state.engine_for(body.model, keep_alive_seconds(body.keep_alive)), body
 
 
 def _load_only(state: ServingState, body: dict[str, Any]) -> JSONResponse:

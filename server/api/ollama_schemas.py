@@ -15,6 +15,7 @@ not Ollama's runner defaults.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -115,7 +116,7 @@ class _GenerationRequest(_Lenient):
     stream: bool = True
     format: Literal["", "json"] | dict[str, Any] | None = None
     options: Options = Field(default_factory=Options)
-    keep_alive: str | float | None = None  # accepted: the model stays loaded for the server's life
+    keep_alive: str | float | None = None  # how long the model stays loaded after this request (several models)
     think: bool | ThinkLevel | None = None
     logprobs: bool = False
 
@@ -214,3 +215,26 @@ class ModelRequest(_Lenient):
     def require_model(self) -> None:
         if not (self.model or self.name):
             raise APIError(400, "model is required", param="model")
+
+
+_DURATION = re.compile(r"(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """Ollama's keep_alive as seconds: a number of seconds or a Go duration ("5m", "1h30m"); 0 unloads right
+    after the request, a negative value keeps the model loaded; None leaves the model's keep-alive as it is."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    text = value.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise APIError(400, f"keep_alive {value!r} is not a duration; use seconds or e.g. \"5m\", \"1h\", \"-1\"",
+                       param="keep_alive")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)

@@ -43,8 +43,8 @@ def _text_format(req: ResponsesRequest) -> dict[str, Any]:
 async def responses(request: Request) -> Response:
     started_at = time.monotonic()
     state: ServingState = request.app.state.serving
-    engine = state.ready_engine()
     req: ResponsesRequest = parse_body(ResponsesRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     req.check_stateless()
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
     validate_params(params, {"max_tokens": "max_output_tokens"})

@@ -175,8 +175,8 @@ async def respond(
 async def chat_completions(request: Request) -> Response:
     started_at = time.monotonic()
     state = _state(request)
-    engine = state.ready_engine()
     req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     tools = req.tools_for_template()
     messages = template_messages(req.messages)
     params = req.to_sampling_params(default_max_tokens=engine.max_model_len)
@@ -210,8 +210,8 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     started_at = time.monotonic()
     state = _state(request)
-    engine = state.ready_engine()
     req: CompletionRequest = parse_body(CompletionRequest, await read_json(request, state.config.max_request_body_bytes))
+    engine = await state.engine_for(req.model)
     ctx = await start_completion(request, state, engine, req, started_at)
     return await respond(request, state, ctx, req.stream, stream_completion, collect_completion)
 
@@ -246,7 +246,12 @@ async def start_completion(request: Request, state: ServingState, engine: Servin
 
 def _model_card(state: ServingState, model_id: str) -> dict[str, Any]:
     card = {"id": model_id, "object": "model", "created": state.created, "owned_by": "mps-serve"}
-    if state.engine is not None:
+    if state.models is not None:
+        engine = state.models.find(model_id).engine
+        card["loaded"] = engine is not None
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+    elif state.engine is not None:
         card["max_model_len"] = state.engine.max_model_len
     return card
 
@@ -261,7 +266,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     state = _state(request)
     if model_id not in state.model_ids:
-        raise APIError(404, f"The model {model_id!r} does not exist; this server serves {state.served_model_name!r}.",
+        served = ", ".join(repr(name) for name in state.model_ids)
+        raise APIError(404, f"The model {model_id!r} does not exist; this server serves {served}.",
                        param="model", code="model_not_found")
     return _model_card(state, model_id)
 

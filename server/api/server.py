@@ -20,6 +20,7 @@ from typing import Any
 import uvicorn
 
 from server.api.app import create_app, serving_state
+from server.api.model_registry import ModelRegistry
 from server.api.state import ServingState
 from server.api.timeouts import header_deadline_protocol
 from server.config import Config, ServerConfig
@@ -82,17 +83,19 @@ def uvicorn_config(app: Any, server_config: ServerConfig, **overrides: Any) -> u
 
 def run_server(
     config: Config,
-    engine_factory: Callable[[], ServingEngine],
+    engine_factory: Callable[[], ServingEngine] | None,
     *,
     shutdown_grace_s: float | None = None,
+    models: ModelRegistry | None = None,
 ) -> int:
-    """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 when the model failed to load."""
+    """Serve until SIGINT/SIGTERM; 0 on a clean shutdown, 1 when the model failed to load. With `models`
+    (several) instead of `engine_factory`, nothing loads before the first request that names a model."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=config.server.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     grace_s = shutdown_grace_s
     if grace_s is None:
         grace_s = getattr(config.server, "shutdown_grace_s", DEFAULT_SHUTDOWN_GRACE_S)
-    app = create_app(None, config.server, model_name=config.engine.load.model)
+    app = create_app(None, config.server, model_name=config.engine.load.model, models=models)
     state = serving_state(app)
     failures: list[BaseException] = []
 
@@ -112,6 +115,10 @@ def run_server(
             server.should_exit = True
 
     def start_loading(loop: asyncio.AbstractEventLoop) -> None:
+        if models is not None:
+            logger.info("Application startup complete: serving %s, each loaded on its first request.",
+                        ", ".join(models.names()))
+            return
         threading.Thread(target=load_engine, args=(loop,), name="mps-serve-load", daemon=True).start()
 
     uv_config = uvicorn_config(app, config.server, timeout_graceful_shutdown=grace_s + _BACKSTOP_S)

@@ -76,3 +76,16 @@ def free_memory_bytes(device: torch.device) -> int:
 
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int(min(physical // 4, 4 << 30))
+
+
+def memory_budget_bytes(name: str = "auto") -> int:
+    """What several models may take together by default: the recommended working set on a Mac, the card's memory
+    on CUDA, physical memory on the CPU."""
+    device, _ = select_device(name)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        return int(torch.mps.recommended_max_memory())
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -22,6 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from server.config import EngineConfig
+from server.engine.build import kv_budget_bytes
+from server.engine.device import select_device, select_dtype
 from server.engine.mlx_checkpoint import checkpoint_spec, mlx_quantization, recipe_spec
 from server.engine.model_runner import KVCache
 from server.engine.weights import (
@@ -137,3 +140,25 @@ def describe(sizes: ModelSizes, stored: tuple[str, FormSize] | None = None) -> l
         lines.append(f"  {form:<9} {human_bytes(size.weight_bytes):>9}  {size.bits_per_weight:5.2f} bits/weight  "
                      f"{where:<28} {how}")
     return lines
+
+
+def estimated_resident_bytes(config: EngineConfig) -> int:
+    """Bytes the model of `config` takes once loaded, from its config.json alone: its weights as they will be held,
+    plus its KV cache as configured, else the share of free memory it would take now (at most that). A memory
+    budget checks this before loading."""
+    load = config.load
+    if load.model == "demo":
+        from server.engine.demo import ensure_demo_model
+
+        model_dir = ensure_demo_model()
+    else:
+        model_dir = resolve_model_path(load.model, load.revision, config_only=True)
+    hf_config = read_config(model_dir)
+    device, _ = select_device(load.device)
+    dtype = select_dtype(load.dtype, device, hf_config.get("torch_dtype") or hf_config.get("dtype"))
+    table = mlx_quantization(hf_config)
+    if table is not None:
+        size = stored_size(hf_config, recipe_spec(table["bits"], table["group_size"]), dtype)
+    else:
+        size = form_size(empty_model(hf_config, "meta", dtype, load.quantization))
+    return size.weight_bytes + kv_budget_bytes(config, device, 0)

@@ -178,3 +178,50 @@ def test_info_says_no_with_a_brief_reason_and_the_exception_under_verbose(tmp_pa
     for name, reason in brief_no.items():
         assert "Error" not in reason and len(reason) <= 60, (name, reason)
         assert verbose_no[name].split(":")[0].endswith("Error"), verbose_no[name]  # the exception, by its type
+
+
+def test_serve_with_several_models_builds_a_registry(tmp_path, monkeypatch):
+    """Repeated MODEL arguments and [[models]] entries become one registry: names, aliases, per-model settings,
+    the budget and keep-alive flags; nothing loads before a request names a model."""
+    monkeypatch.setenv("MPS_SERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    toml = tmp_path / "models.toml"
+    kv = 1 << 20
+    toml.write_text(f'[engine.cache]\nkv_cache_memory_bytes = {kv}\n\n[[models]]\nmodel = "demo"\n'
+                    'name = "demo-int8"\naliases = ["small", "tiny"]\nquantization = "int8"\n'
+                    'max_model_len = 64\n')
+    seen = {}
+
+    def run_server(config, engine_factory, models):
+        seen.update(factory=engine_factory, models=models)
+        return 0
+
+    monkeypatch.setattr("server.api.server.run_server", run_server)
+    assert cli.main(["serve", "demo", str(tmp_path / "missing"), "--device", "cpu"]) == 2  # no config.json
+    assert cli.main(["serve", "demo", str(toml), "--served-model-name", "x"]) == 2
+    assert cli.main(["serve", "demo", "demo", "--device", "cpu"]) == 2  # one name, two models
+    args = ["serve", "demo", "--device", "cpu", "--config", str(toml), "--keep-alive", "60", "--models-memory-gb", "1.5"]
+    assert cli.main(args) == 0
+    registry = seen["models"]
+    assert seen["factory"] is None
+    assert registry.names() == ["demo", "demo-int8", "small", "tiny"]
+    assert registry.budget_bytes == int(1.5 * 2**30)
+    assert [slot.keep_alive_s for slot in registry.slots] == [60.0, 60.0]
+    plain, int8 = registry.slots
+    assert int8.spec.size_bytes - kv < (plain.spec.size_bytes - kv) / 2  # int8 weights against fp32 on the CPU
+    assert all(slot.engine is None for slot in registry.slots)
+    engine = int8.spec.build()
+    try:
+        assert engine.max_model_len == 64
+    finally:
+        asyncio.run(engine.shutdown())
+
+
+def test_ollama_keep_alive_durations():
+    from server.api.errors import APIError
+    from server.api.ollama_schemas import keep_alive_seconds
+
+    assert [keep_alive_seconds(v) for v in (None, 0, -1, "0", "-1", 30, "10s", "5m", "1h30m", "250ms")] == [
+        None, 0.0, -1.0, 0.0, -1.0, 30.0, 10.0, 300.0, 5400.0, 0.25]
+    with pytest.raises(APIError):
+        keep_alive_seconds("5 minutes")

@@ -143,3 +143,19 @@ def test_prefix_cache_disk_settings_from_toml_and_flags(tmp_path):
     assert config.server.warm_prompts == "warm.jsonl"
     with pytest.raises(ValueError, match="prefix_cache_disk_gb"):
         EngineConfig.from_flat(prefix_cache_disk_gb=0)
+
+
+def test_models_tables_load_and_bad_entries_say_what_to_fix(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nmodel = "a"\naliases = ["x"]\nquantization = "int4"\n\n[[models]]\nmodel = "b"\n'
+                    'max_model_len = 128\n')
+    config = load_config(path)
+    assert [(m.model, m.aliases, m.quantization, m.max_model_len) for m in config.models] == [
+        ("a", ("x",), "int4", None), ("b", (), None, 128)]
+    assert load_config().models == ()
+    for text, match in (('[[models]]\nalias = "x"\n', "each with a `model` key"),
+                        ('[[models]]\nmodel = "a"\nport = 1\n', r"unknown keys \['port'\] in \[\[models\]\]"),
+                        ('models = "a"\n', "each with a `model` key")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            load_config(path)
