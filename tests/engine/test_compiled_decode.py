@@ -248,7 +248,7 @@ def test_compiled_fp8_decode_reads_fp8_weights_and_matches_eager(tiny_checkpoint
     traced = []  # whether each activation quantization was traced into the compiled step
     quantize = fp8.quantize_activation
     monkeypatch.setattr(fp8, "quantize_activation",
-                        lambda x: traced.append(torch.compiler.is_compiling()) or quantize(x))
+                        lambda x, *args: traced.append(torch.compiler.is_compiling()) or quantize(x, *args))
     compiled = Engine.from_pretrained(str(path), **ENGINE_KW, compile="on", quantization="fp8")
     assert [compiled.generate(p, params).token_ids for p in prompts] == expected
     assert compiled.runner.decode_graphs.shapes_run  # the decode steps did run compiled
